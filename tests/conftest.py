@@ -1,0 +1,72 @@
+"""Shared fixtures: real servers on ephemeral ports, real client processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import thing
+import thing.client
+import thing.server
+from thing._core import fallback
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=["compiled", "python"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test once with the compiled core and once with its pure-Python twin.
+
+    In this process the byte movers are swapped in place; subprocesses started
+    with :func:`run_script` get ``THING_PUREPYTHON`` accordingly.
+    """
+    if request.param == "python":
+        for module in (thing.client, thing.server):
+            monkeypatch.setattr(module, "send_buffers", fallback.send_buffers)
+            monkeypatch.setattr(module, "recv_buffers", fallback.recv_buffers)
+        monkeypatch.setenv("THING_PUREPYTHON", "1")
+    else:
+        monkeypatch.delenv("THING_PUREPYTHON", raising=False)
+    return request.param
+
+
+@pytest.fixture
+def server() -> Iterator[thing.Server]:
+    """A server on a free loopback port, in this process."""
+    with thing.Server(port=0) as running:
+        yield running
+
+
+def script_env(port: int | None = None, **extra: str) -> dict[str, str]:
+    """The environment for a subprocess that imports this checkout's thing."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    if port is not None:
+        env["THING_PORT"] = str(port)
+        env["THING_SERVER"] = "127.0.0.1"
+    env.update(extra)
+    return env
+
+
+def run_script(code: str, port: int | None = None, timeout: float = 60, **env: str) -> str:
+    """Run ``code`` in a fresh interpreter; return its stdout, fail the test on a non-zero exit."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=script_env(port, **env), capture_output=True, text=True, timeout=timeout,
+    )
+    assert result.returncode == 0, f"script failed ({result.returncode}):\n{result.stderr}"
+    return result.stdout
+
+
+def start_script(code: str, port: int | None = None, **env: str) -> subprocess.Popen:
+    """Start ``code`` in a fresh interpreter and return at once."""
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=script_env(port, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )

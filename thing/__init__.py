@@ -1,0 +1,83 @@
+"""thing: catch tensors in one program and quietly send them to another live Python session.
+
+In the training job::
+
+    thing.catch(loss, every=10)
+
+In a REPL or notebook::
+
+    thing.serve()
+    thing.get("loss")
+
+``thing.help()`` lists every function.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+from . import config
+from ._core import BACKEND
+from .client import CaptureHandle, Client
+from .errors import (
+    HandshakeError,
+    LimitExceeded,
+    NotServing,
+    ProtocolError,
+    ThingError,
+    UnsupportedType,
+)
+from .repl import (
+    clear,
+    describe,
+    get,
+    get_all,
+    help,
+    ingest_all,
+    serve,
+    status,
+    summary,
+    wait,
+)
+from .server import Server
+from .store import Capture, HistoryStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKEND", "Capture", "CaptureHandle", "Client", "HandshakeError", "HistoryStore",
+    "LimitExceeded", "NotServing", "ProtocolError", "Server", "ThingError", "UnsupportedType",
+    "catch", "clear", "describe", "get", "get_all", "help", "ingest_all", "serve", "status",
+    "summary", "wait",
+]
+
+_default_client: Client | None = None
+_default_client_lock = threading.Lock()
+
+
+def catch(obj: Any, name: str | None = None, server: str | None = None, every: int = 1,
+          first: int | None = None, *, copy: bool = False, block: bool = False) -> CaptureHandle:
+    """Send ``obj`` to the thing server without disturbing the caller.
+
+    ``obj``: a numpy/torch/jax array, a number, a string, bytes, or nested
+    list/tuple/dict of them. ``name`` defaults to the argument's source text.
+    ``server="host:port"`` overrides ``THING_SERVER``/``THING_PORT`` (default
+    ``localhost:2875``). ``every=n`` sends every n-th call of a name;
+    ``first=n`` only its first n. ``copy=True`` snapshots the data now.
+    ``block=True`` waits for room instead of dropping when the queue is full.
+    Returns a handle whose ``wait()`` is True once the server stored it.
+    """
+    client = _default_client or _make_default_client()
+    return client.catch(obj, name, server, every, first, copy=copy, block=block,
+                        _frame=sys._getframe(1) if name is None else None)
+
+
+def _make_default_client() -> Client:
+    global _default_client
+    with _default_client_lock:
+        if _default_client is None:
+            host, port = config.server_address()
+            _default_client = Client(host, port)
+        return _default_client

@@ -1,0 +1,148 @@
+# cython: language_level=3
+"""The compiled byte movers: scatter/gather socket loops on buffer pointers.
+
+Both functions hold a ``Py_buffer`` view of every buffer for the whole call, so
+the memory cannot move or be freed while the GIL is released, and they loop
+over partial transfers without taking the GIL back: a training thread that
+holds the GIL never slows a transfer down chunk by chunk.
+
+The socket must be in blocking mode; timeouts come from ``SO_SNDTIMEO`` /
+``SO_RCVTIMEO`` and surface as ``TimeoutError``.
+"""
+
+from cpython.buffer cimport (
+    PyBUF_C_CONTIGUOUS,
+    PyBUF_WRITABLE,
+    PyBuffer_Release,
+    PyObject_GetBuffer,
+)
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.errno cimport EAGAIN, ECONNRESET, EINTR, errno
+from libc.string cimport memset, strerror
+
+cdef extern from "<sys/uio.h>":
+    struct iovec:
+        void *iov_base
+        size_t iov_len
+
+cdef extern from "<sys/socket.h>":
+    struct msghdr:
+        iovec *msg_iov
+        size_t msg_iovlen
+    ssize_t sendmsg(int fd, const msghdr *msg, int flags) nogil
+    ssize_t recvmsg(int fd, msghdr *msg, int flags) nogil
+    int MSG_WAITALL
+
+cdef extern from *:
+    """
+    #include <errno.h>
+    #include <limits.h>
+    #ifndef IOV_MAX
+    #define IOV_MAX 1024
+    #endif
+    #ifndef MSG_NOSIGNAL
+    #define MSG_NOSIGNAL 0
+    #endif
+    #define THING_IOV_MAX IOV_MAX
+    #define THING_MSG_NOSIGNAL MSG_NOSIGNAL
+    """
+    const int THING_IOV_MAX
+    const int THING_MSG_NOSIGNAL
+    const int EWOULDBLOCK
+
+
+cdef ssize_t _transfer(int fd, iovec *iov, Py_ssize_t count, bint sending,
+                       size_t *done, int *error) noexcept nogil:
+    """Move every byte of ``iov``; advances it in place. Returns 0, -1 on error, 1 on EOF."""
+    cdef msghdr msg
+    cdef ssize_t moved
+    cdef size_t step
+    cdef Py_ssize_t first = 0
+    while first < count:
+        if iov[first].iov_len == 0:
+            first += 1
+            continue
+        memset(&msg, 0, sizeof(msg))
+        msg.msg_iov = &iov[first]
+        msg.msg_iovlen = min(count - first, <Py_ssize_t>THING_IOV_MAX)
+        if sending:
+            moved = sendmsg(fd, &msg, THING_MSG_NOSIGNAL)
+        else:
+            moved = recvmsg(fd, &msg, MSG_WAITALL)
+        if moved < 0:
+            error[0] = errno
+            return -1
+        if moved == 0 and not sending:
+            return 1
+        done[0] += moved
+        while moved > 0:
+            step = min(<size_t>moved, iov[first].iov_len)
+            iov[first].iov_base = <char *>iov[first].iov_base + step
+            iov[first].iov_len -= step
+            moved -= step
+            if iov[first].iov_len == 0:
+                first += 1
+    return 0
+
+
+cdef size_t _run(sock, buffers, bint sending) except? 0:
+    cdef int fd = sock.fileno()
+    cdef Py_ssize_t count = len(buffers)
+    cdef Py_ssize_t held = 0
+    cdef Py_ssize_t i
+    cdef size_t total = 0
+    cdef size_t done = 0
+    cdef ssize_t status = 0
+    cdef int error = 0
+    cdef int flags = PyBUF_C_CONTIGUOUS | (0 if sending else PyBUF_WRITABLE)
+    cdef Py_buffer *views = <Py_buffer *>PyMem_Malloc(max(count, 1) * sizeof(Py_buffer))
+    cdef iovec *iov = <iovec *>PyMem_Malloc(max(count, 1) * sizeof(iovec))
+    if views == NULL or iov == NULL:
+        PyMem_Free(views)
+        PyMem_Free(iov)
+        raise MemoryError()
+    try:
+        for i in range(count):
+            PyObject_GetBuffer(buffers[i], &views[i], flags)
+            held += 1
+            iov[i].iov_base = views[i].buf
+            iov[i].iov_len = <size_t>views[i].len
+            total += <size_t>views[i].len
+        while True:
+            with nogil:
+                status = _transfer(fd, iov, count, sending, &done, &error)
+            if status == 1:
+                raise ConnectionResetError(
+                    ECONNRESET, f"peer closed the connection after {done} of {total} bytes")
+            if status == 0:
+                return total
+            if error == EINTR:
+                # Let a pending KeyboardInterrupt out, then carry on where we were.
+                PyErr_CheckSignals()
+                continue
+            if error == EAGAIN or error == EWOULDBLOCK:
+                raise TimeoutError(error, f"timed out after {done} of {total} bytes")
+            raise OSError(error, strerror(error).decode("utf-8", "replace"))
+    finally:
+        for i in range(held):
+            PyBuffer_Release(&views[i])
+        PyMem_Free(views)
+        PyMem_Free(iov)
+
+
+def send_buffers(sock, buffers) -> int:
+    """Send every buffer of ``buffers`` in order with ``sendmsg``; return the bytes sent.
+
+    Partial writes and EINTR are retried; the call returns only when all bytes
+    are in the kernel or an ``OSError`` (with ``errno``) is raised.
+    """
+    return _run(sock, buffers, True)
+
+
+def recv_buffers(sock, buffers) -> int:
+    """Fill every writable buffer of ``buffers`` in order from ``recvmsg``; return the bytes.
+
+    Raises ``ConnectionResetError`` if the peer closes before all are filled.
+    """
+    return _run(sock, buffers, False)

@@ -1,0 +1,55 @@
+"""The pure-Python twin of the compiled core: same interface, plain socket calls.
+
+It is the executable specification of ``_transport.pyx``, the baseline the
+benchmarks compare against, and the fallback when the extension is missing or
+``THING_PUREPYTHON=1`` is set.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Sequence
+
+# Linux and macOS both cap one sendmsg/recvmsg at 1024 buffers.
+_IOV_MAX = 1024
+
+
+def _transfer(sock: socket.socket, buffers: Sequence, sending: bool) -> int:
+    views = [memoryview(b).cast("B") for b in buffers]
+    if not sending and any(v.readonly for v in views):
+        raise BufferError("recv_buffers needs writable buffers")
+    total = sum(v.nbytes for v in views)
+    done = 0
+    pending = [v for v in views if v.nbytes]
+    while pending:
+        batch = pending[:_IOV_MAX]
+        try:
+            if sending:
+                moved = sock.sendmsg(batch)
+            else:
+                moved = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
+        except BlockingIOError as exc:
+            raise TimeoutError(exc.errno, f"timed out after {done} of {total} bytes") from None
+        if moved == 0 and not sending:
+            raise ConnectionResetError(
+                errno.ECONNRESET, f"peer closed the connection after {done} of {total} bytes"
+            )
+        done += moved
+        while moved:
+            step = min(moved, pending[0].nbytes)
+            moved -= step
+            pending[0] = pending[0][step:]
+            if not pending[0].nbytes:
+                pending.pop(0)
+    return total
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence) -> int:
+    """Send every buffer of ``buffers`` in order with ``sendmsg``; return the bytes sent."""
+    return _transfer(sock, buffers, sending=True)
+
+
+def recv_buffers(sock: socket.socket, buffers: Sequence) -> int:
+    """Fill every writable buffer of ``buffers`` in order; return the bytes received."""
+    return _transfer(sock, buffers, sending=False)

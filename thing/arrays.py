@@ -1,0 +1,227 @@
+"""Array adapters: numpy, torch and jax arrays to and from raw little-endian bytes.
+
+The sending side turns an array into a :class:`Leaf` (what it is, plus a
+reference to it) on the caller's thread, and into a flat byte view of its own
+memory on the sender thread. The receiving side allocates the destination
+array up front from a validated :class:`LeafSpec`, receives straight into it,
+and hands the user that same memory as the framework it was sent from.
+
+torch and jax are never imported here: an object can only be a torch tensor if
+its sender already imported torch, and the receiver imports them lazily, only
+when a capture of theirs arrives.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import UnsupportedType
+
+log = logging.getLogger("thing")
+
+# Wire dtype name -> (numpy dtype numpy can hold it in, whether numpy names it natively).
+# Dtypes numpy lacks travel in an unsigned carrier of the same width.
+_NATIVE = (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+)
+_CARRIED = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+CARRIER_DTYPES: dict[str, np.dtype] = {
+    **{name: np.dtype(name) for name in _NATIVE},
+    **{name: np.dtype(carrier) for name, carrier in _CARRIED.items()},
+}
+FRAMEWORKS = ("numpy", "torch", "jax")
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """What one array of a capture is: enough to allocate its destination before any byte arrives."""
+
+    framework: str  # "numpy", "torch", "jax", or "bytes" for a bytes object
+    dtype: str  # a key of CARRIER_DTYPES
+    shape: tuple[int, ...]
+    scalar: bool = False  # a numpy scalar, returned as one rather than as a 0-d array
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for extent in self.shape:
+            count *= extent
+        return count * CARRIER_DTYPES[self.dtype].itemsize
+
+
+@dataclass
+class Leaf:
+    """An array caught on the sending side: its spec and the object whose memory will be sent."""
+
+    spec: LeafSpec
+    source: Any
+    ready: Any = None  # a CUDA event the sender thread waits for before reading ``source``
+    version: int | None = None  # torch's in-place version counter when it was caught
+
+
+def is_array(obj: Any) -> bool:
+    """True for the objects that travel as payload bytes rather than in the header."""
+    if isinstance(obj, (np.ndarray, np.generic, bytes, bytearray, memoryview)):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return True
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(obj, jax.Array)
+
+
+def catch_leaf(obj: Any, copy: bool = False) -> Leaf:
+    """Describe an array on the caller's thread: metadata and a reference, no data touched.
+
+    With ``copy=True`` the data is snapshotted now, so later in-place updates
+    cannot reach what is sent. CUDA tensors are always copied to host memory,
+    asynchronously on the current stream.
+    """
+    if isinstance(obj, (np.ndarray, np.generic)):
+        return _numpy_leaf(obj, copy)
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        view = memoryview(obj).cast("B")
+        return Leaf(LeafSpec("bytes", "uint8", (view.nbytes,)), bytes(view) if copy else view)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _torch_leaf(torch, obj, copy)
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(obj, jax.Array):
+        leaf = _numpy_leaf(np.asarray(obj), copy)
+        return Leaf(LeafSpec("jax", leaf.spec.dtype, leaf.spec.shape), leaf.source)
+    raise UnsupportedType(f"cannot send an object of type {type(obj).__qualname__}")
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    name = dtype.name
+    if name not in CARRIER_DTYPES:
+        raise UnsupportedType(f"dtype {dtype} is not supported")
+    return name
+
+
+def _numpy_leaf(array: np.ndarray | np.generic, copy: bool) -> Leaf:
+    scalar = isinstance(array, np.generic)
+    spec = LeafSpec("numpy", _dtype_name(array.dtype), tuple(array.shape), scalar)
+    return Leaf(spec, np.array(array) if copy or scalar else array)
+
+
+def _torch_leaf(torch: Any, tensor: Any, copy: bool) -> Leaf:
+    name = str(tensor.dtype).rpartition(".")[2]
+    if name not in CARRIER_DTYPES:
+        raise UnsupportedType(f"torch dtype {tensor.dtype} is not supported")
+    spec = LeafSpec("torch", name, tuple(tensor.shape))
+    tensor = tensor.detach()
+    if tensor.is_cuda:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Leaf(spec, host, ready=ready)
+    if copy:
+        return Leaf(spec, tensor.clone(memory_format=torch.contiguous_format))
+    return Leaf(spec, tensor, version=tensor._version)
+
+
+def leaf_bytes(leaf: Leaf) -> np.ndarray:
+    """A flat uint8 view of the leaf's memory, made contiguous and little-endian if it was not.
+
+    Runs on the sender thread: any copy it has to make is paid there, not by the caller.
+    """
+    if leaf.ready is not None:
+        leaf.ready.synchronize()
+    source = leaf.source
+    if leaf.spec.framework == "torch":
+        source = source.resolve_conj().resolve_neg().contiguous()
+        if source.device.type != "cpu":
+            source = source.cpu()
+        carrier = CARRIER_DTYPES[leaf.spec.dtype]
+        source = source.view(_torch_dtype(_torch(), carrier.name)).numpy()
+    elif isinstance(source, memoryview):
+        return np.frombuffer(source, np.uint8)
+    array = np.ascontiguousarray(source)
+    if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return array.reshape(-1).view(np.uint8)
+
+
+def torn(leaf: Leaf) -> bool:
+    """True if a torch tensor was modified in place after it was caught (its bytes may be mixed)."""
+    return leaf.version is not None and leaf.source._version != leaf.version
+
+
+def allocate(spec: LeafSpec) -> np.ndarray:
+    """The destination of one leaf's bytes: a fresh array the user will receive as-is."""
+    if spec.framework == "bytes":
+        return np.empty(spec.shape, np.uint8)
+    return np.empty(spec.shape, CARRIER_DTYPES[spec.dtype])
+
+
+def finish(spec: LeafSpec, received: np.ndarray) -> Any:
+    """Turn received memory into the object the user gets, without copying array data."""
+    if spec.framework == "bytes":
+        return received.tobytes()
+    if spec.framework == "torch":
+        torch = _torch()
+        if torch is not None:
+            return torch.from_numpy(received).view(_torch_dtype(torch, spec.dtype))
+    array = _as_numpy_dtype(spec.dtype, received)
+    if spec.framework == "jax":
+        return _to_jax(array)
+    if spec.scalar:
+        return array[()]
+    return array
+
+
+def _torch() -> Any:
+    return _optional("torch")
+
+
+def _torch_dtype(torch: Any, name: str) -> Any:
+    return getattr(torch, name)
+
+
+def _as_numpy_dtype(name: str, received: np.ndarray) -> np.ndarray:
+    if name in _NATIVE:
+        return received
+    ml_dtypes = _optional("ml_dtypes")
+    if ml_dtypes is not None:
+        return received.view(getattr(ml_dtypes, name))
+    _warn_once(
+        name,
+        f"received {name} data but neither torch nor ml_dtypes is installed here; "
+        f"it is kept as raw {received.dtype} bits (describe() shows the real dtype)",
+    )
+    return received
+
+
+def _to_jax(array: np.ndarray) -> Any:
+    jax = _optional("jax")
+    if jax is None:
+        _warn_once("jax", "received jax arrays but jax is not installed here; they are numpy arrays")
+        return array
+    return jax.numpy.asarray(array)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+def _optional(module: str) -> Any:
+    if module in sys.modules:
+        return sys.modules[module]
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None

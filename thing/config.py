@@ -1,0 +1,121 @@
+"""Every tunable of thing in one place: its default and its environment variable.
+
+Functions read the environment when they are called, not at import, so a test
+or a notebook can change a variable and then create a client or a server.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_PORT = 2875
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(float(raw))
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def server_address() -> tuple[str, int]:
+    """Where the default client sends: ``THING_SERVER`` (``host`` or ``host:port``), ``THING_PORT``."""
+    from .sockets import parse_address
+
+    port = _env_int("THING_PORT", DEFAULT_PORT)
+    return parse_address(os.environ.get("THING_SERVER", "") or "localhost", port)
+
+
+def serve_host() -> str:
+    """Interface the default server binds: ``THING_HOST``, else loopback."""
+    return os.environ.get("THING_HOST", "") or "127.0.0.1"
+
+
+def serve_port() -> int:
+    """Port the default server binds: ``THING_PORT``, else 2875."""
+    return _env_int("THING_PORT", DEFAULT_PORT)
+
+
+# Client side -----------------------------------------------------------------
+
+def queue_max_bytes() -> int:
+    """Bytes of captures a client may hold while they wait to be sent (``THING_QUEUE_BYTES``, 1 GiB)."""
+    return _env_int("THING_QUEUE_BYTES", 1 << 30)
+
+
+def queue_max_items() -> int:
+    """Captures a client may hold while they wait to be sent (``THING_QUEUE_ITEMS``, 1024)."""
+    return _env_int("THING_QUEUE_ITEMS", 1024)
+
+
+def flush_timeout() -> float:
+    """Seconds the interpreter waits at exit for queued captures (``THING_FLUSH_TIMEOUT``, 5)."""
+    return _env_float("THING_FLUSH_TIMEOUT", 5.0)
+
+
+def send_timeout() -> float:
+    """Seconds one stalled send may take before the connection is dropped (``THING_SEND_TIMEOUT``, 30)."""
+    return _env_float("THING_SEND_TIMEOUT", 30.0)
+
+
+def connect_timeout() -> float:
+    """Seconds a connection attempt, handshake included, may take (``THING_CONNECT_TIMEOUT``, 5)."""
+    return _env_float("THING_CONNECT_TIMEOUT", 5.0)
+
+
+def reconnect_interval() -> float:
+    """Longest pause between attempts to reach an absent server (``THING_RECONNECT_INTERVAL``, 1)."""
+    return _env_float("THING_RECONNECT_INTERVAL", 1.0)
+
+
+# Server side -----------------------------------------------------------------
+
+def max_capture_bytes() -> int:
+    """Largest capture a server accepts, header and payload (``THING_MAX_CAPTURE_BYTES``, 64 GiB)."""
+    return _env_int("THING_MAX_CAPTURE_BYTES", 64 << 30)
+
+
+def max_header_bytes() -> int:
+    """Largest metadata header a server accepts (``THING_MAX_HEADER_BYTES``, 16 MiB)."""
+    return _env_int("THING_MAX_HEADER_BYTES", 16 << 20)
+
+
+def idle_timeout() -> float:
+    """Seconds a peer may stall mid-frame or in the handshake (``THING_IDLE_TIMEOUT``, 60)."""
+    return _env_float("THING_IDLE_TIMEOUT", 60.0)
+
+
+def max_connections() -> int:
+    """Clients a server serves at once (``THING_MAX_CONNECTIONS``, 256)."""
+    return _env_int("THING_MAX_CONNECTIONS", 256)
+
+
+def store_max_bytes() -> int:
+    """Bytes the history store holds before evicting (``THING_STORE_BYTES``, half the RAM)."""
+    return _env_int("THING_STORE_BYTES", _physical_memory() // 2)
+
+
+def store_max_versions() -> int | None:
+    """Versions kept per name, or unlimited (``THING_MAX_VERSIONS``, unlimited)."""
+    value = _env_int("THING_MAX_VERSIONS", 0)
+    return value or None
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 8 << 30

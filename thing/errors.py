@@ -1,0 +1,25 @@
+"""The exceptions thing raises."""
+
+
+class ThingError(Exception):
+    """Base class of every error thing raises on purpose."""
+
+
+class UnsupportedType(ThingError, TypeError):
+    """An object (or dtype) that cannot travel; ``catch`` logs it and returns a failed handle."""
+
+
+class ProtocolError(ThingError):
+    """A peer sent bytes that are not a valid thing frame; the connection is closed."""
+
+
+class HandshakeError(ProtocolError):
+    """The peer is not a thing peer, speaks another protocol version, or refused us."""
+
+
+class LimitExceeded(ProtocolError):
+    """A frame asked for more than the receiver's limits allow; nothing was allocated."""
+
+
+class NotServing(ThingError, RuntimeError):
+    """A REPL function was called before ``thing.serve()``."""

@@ -1,0 +1,264 @@
+"""Names for captures that were not given one, traced from the source text of the call.
+
+``thing.catch(loss)`` is named ``loss``, ``thing.catch(model.lm_head.weight)`` is named
+``model.lm_head.weight`` and ``thing.catch(h[3])`` is named ``h[3]``: the name is the source
+text of the first positional argument (or, when there is none, of the first keyword argument
+other than ``name=``), with every run of whitespace and newlines collapsed to one space and
+comments dropped. The function called may have any name (``thing.catch``, ``client.catch``,
+``catch``...).
+
+On Python 3.11+ the exact call expression is found from the calling instruction's source
+positions, so several catches on one line, calls spread over several lines, nested calls,
+lambdas and comprehensions are all named correctly. Before 3.11 (or under
+``-X no_debug_ranges``) only the line is known; a call is named only when it is the one call of
+a function whose name ends in ``catch`` on that line.
+
+Source is read through :mod:`linecache`, which is also where IPython and Jupyter register
+the text of their cells.
+
+Fallback rule: when the source is not available (``python -c``, ``exec`` of a string, a
+deleted file) or cannot be matched to the call, the capture is named ``<function>:<line>``,
+after the qualified name of the calling function and the line of the call, for example
+``<module>:3`` or ``Trainer.step:42``.
+
+Each call site gets its own name: when the same name comes from several call sites, the first
+site to catch keeps it and later ones get ``_1``, ``_2``... appended in the order they first
+catch (``loss``, ``loss_1``, ``loss_2``). A call site keeps its name for the life of the
+process, including when its module is reloaded or an unchanged notebook cell is run again.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import itertools
+import linecache
+import logging
+import threading
+import tokenize
+import types
+from typing import NamedTuple, Optional
+
+log = logging.getLogger("thing")
+
+# Tokens that only lay out the source; dropped when the argument's text is normalised.
+_LAYOUT_TOKENS = frozenset(
+    {
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENDMARKER,
+    }
+)
+
+
+class CallSite(NamedTuple):
+    """Where a capture was made: the file, the line of the call and the calling function."""
+
+    file: str
+    line: int
+    function: str
+
+
+class NameTracer:
+    """Names captures after the source text of their first argument, once per call site."""
+
+    def __init__(self) -> None:
+        # (id(code), f_lasti) -> (name, CallSite). Keyed by id() rather than by the code
+        # object because hashing a code object hashes its constants (and every nested code
+        # object) on each call; _pinned keeps those code objects alive so no id is reused.
+        self._by_instruction: dict[tuple[int, int], tuple[str, CallSite]] = {}
+        self._pinned: dict[int, types.CodeType] = {}
+        # Everything below is touched only when a call site is seen for the first time.
+        self._lock = threading.Lock()
+        self._by_site: dict[tuple, str] = {}
+        self._taken: set[str] = set()
+        self._next_suffix: dict[str, int] = {}
+        # filename -> (the lines linecache gave, their parse); for the line-based fallback.
+        self._parsed: dict[str, tuple[list[str], Optional[ast.Module]]] = {}
+
+    def name_for(self, frame: types.FrameType) -> tuple[str, CallSite]:
+        """Return the name and call site of the call that ``frame`` is executing.
+
+        ``frame`` is the frame of the code that called ``catch``. The first call from a site
+        reads its source; every later one is a dictionary lookup. Never raises: a site whose
+        name cannot be traced gets the ``<function>:<line>`` fallback.
+        """
+        try:
+            return self._by_instruction[id(frame.f_code), frame.f_lasti]
+        except KeyError:
+            return self._resolve(frame)
+
+    def _resolve(self, frame: types.FrameType) -> tuple[str, CallSite]:
+        code = frame.f_code
+        lasti = frame.f_lasti
+        try:
+            site, identity, base = self._trace(frame)
+        except Exception as exc:  # a name is never worth failing a training step for
+            log.debug("thing: could not trace a capture name (%r); using a fallback", exc)
+            line = frame.f_lineno or 0
+            site = CallSite(code.co_filename, line, _function_name(code))
+            identity = (code.co_filename, site.function, lasti)
+            base = _fallback_name(site)
+        with self._lock:
+            name = self._by_site.get(identity)
+            if name is None:
+                name = self._claim(base)
+                self._by_site[identity] = name
+            result = (name, site)
+            self._pinned[id(code)] = code
+            self._by_instruction[id(code), lasti] = result
+        return result
+
+    def _claim(self, base: str) -> str:
+        """The first free name among ``base``, ``base_1``, ``base_2``...; called under the lock."""
+        suffix = self._next_suffix.get(base, 0)
+        name = base if suffix == 0 else f"{base}_{suffix}"
+        while name in self._taken:
+            suffix += 1
+            name = f"{base}_{suffix}"
+        self._next_suffix[base] = suffix + 1
+        self._taken.add(name)
+        return name
+
+    def _trace(self, frame: types.FrameType) -> tuple[CallSite, tuple, str]:
+        """Return the call site, what identifies it across code objects, and its plain name."""
+        code = frame.f_code
+        function = _function_name(code)
+        lines = linecache.getlines(code.co_filename, frame.f_globals)
+        positions = _call_positions(code, frame.f_lasti)
+        if positions is not None:
+            line = positions[0]
+            argument = _argument_at(lines, *positions) if lines else None
+            # Positions identify the call even after its code object is recompiled.
+            identity: tuple = (code.co_filename, function, *positions)
+        else:
+            line = frame.f_lineno or 0
+            argument = self._argument_on_line(code.co_filename, lines, line) if lines else None
+            identity = (code.co_filename, function, frame.f_lasti)
+        site = CallSite(code.co_filename, line, function)
+        if argument is None:
+            why = "no source" if not lines else "no single first argument found in the source"
+            log.debug("thing: %s for the capture at %s:%s; using a fallback name", why,
+                      site.file, site.line)
+            base = _fallback_name(site)
+        else:
+            base = argument
+        return site, (*identity, base), base
+
+    def _argument_on_line(self, filename: str, lines: list[str], line: int) -> Optional[str]:
+        """Best effort without column positions: the one ``...catch(arg)`` call on the line."""
+        cached = self._parsed.get(filename)
+        if cached is None or cached[0] is not lines:
+            try:
+                tree: Optional[ast.Module] = ast.parse("".join(lines))
+            except (SyntaxError, ValueError):
+                tree = None
+            cached = self._parsed[filename] = (lines, tree)
+        tree = cached[1]
+        if tree is None:
+            return None
+        source = "".join(lines)
+        found = []
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and node.lineno <= line <= (node.end_lineno or node.lineno)
+                and _called_name(node.func).endswith("catch")
+            ):
+                argument = _first_argument(node)
+                if argument is not None:
+                    found.append(ast.get_source_segment(source, argument))
+        if len(found) == 1 and found[0]:
+            return _normalise_whitespace(found[0])
+        return None
+
+
+def _function_name(code: types.CodeType) -> str:
+    return getattr(code, "co_qualname", code.co_name)
+
+
+def _fallback_name(site: CallSite) -> str:
+    return f"{site.function}:{site.line}"
+
+
+def _call_positions(code: types.CodeType, lasti: int) -> Optional[tuple[int, int, int, int]]:
+    """(line, end_line, column, end_column) of the call being executed, if Python records them."""
+    co_positions = getattr(code, "co_positions", None)
+    if co_positions is None or lasti < 0:
+        return None
+    # One entry per 2-byte code unit; f_lasti is a byte offset.
+    position = next(itertools.islice(co_positions(), lasti // 2, None), None)
+    if position is None or None in position:
+        return None
+    return position
+
+
+def _argument_at(
+    lines: list[str], line: int, end_line: int, column: int, end_column: int
+) -> Optional[str]:
+    """The first argument's text of the call expression at these positions, if it is a call."""
+    if not 1 <= line <= end_line <= len(lines):
+        return None
+    # Columns count UTF-8 bytes, as in the ast.
+    chunk = [text.encode("utf-8") for text in lines[line - 1 : end_line]]
+    if line == end_line:
+        chunk[0] = chunk[0][column:end_column]
+    else:
+        chunk[0] = chunk[0][column:]
+        chunk[-1] = chunk[-1][:end_column]
+    expression = b"".join(chunk).decode("utf-8")
+    try:
+        call = ast.parse(expression, mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(call, ast.Call):
+        return None
+    argument = _first_argument(call)
+    if argument is None:
+        return None
+    text = ast.get_source_segment(expression, argument)
+    return _normalise_whitespace(text) if text else None
+
+
+def _first_argument(call: ast.Call) -> Optional[ast.expr]:
+    """The first positional argument, else the first keyword one other than ``name=``."""
+    if call.args:
+        # catch(*tensors) has no one expression to be named after.
+        return None if isinstance(call.args[0], ast.Starred) else call.args[0]
+    for keyword in call.keywords:
+        if keyword.arg is not None and keyword.arg != "name":
+            return keyword.value
+    return None
+
+
+def _called_name(func: ast.expr) -> str:
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    if isinstance(func, ast.Name):
+        return func.id
+    return ""
+
+
+def _normalise_whitespace(text: str) -> str:
+    """``x +  # why\\n    y`` -> ``x + y``: one space between tokens that had any, no comments.
+
+    Works on tokens, so whitespace inside string literals is kept as written.
+    """
+    try:
+        # The parentheses make a multi-line expression one logical line, as it was in the call.
+        tokens = list(tokenize.generate_tokens(io.StringIO(f"({text})").readline))
+    except (tokenize.TokenError, SyntaxError):
+        return " ".join(text.split())
+    significant = [token for token in tokens if token.type not in _LAYOUT_TOKENS][1:-1]
+    parts: list[str] = []
+    previous_end = None
+    for token in significant:
+        if previous_end is not None and token.start != previous_end:
+            parts.append(" ")
+        parts.append(token.string)
+        previous_end = token.end
+    return "".join(parts) or " ".join(text.split())
+

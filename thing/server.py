@@ -1,0 +1,281 @@
+"""The receiving side: a listening socket, one thread per connected client, the store.
+
+Each connection is handled on its own thread, so one slow or stalled client
+never holds up the others. A frame is received straight into freshly
+allocated arrays and stored only once it arrived whole; anything malformed
+closes that connection and nothing of it is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import threading
+from typing import Any
+
+from . import config, wire
+from ._core import recv_buffers, send_buffers
+from .arrays import allocate, finish
+from .errors import HandshakeError, LimitExceeded, ProtocolError
+from .sockets import listen, set_timeouts, tune_stream
+from .store import Capture, HistoryStore, Sender
+
+log = logging.getLogger("thing")
+
+
+class Server:
+    """Receives captures from any number of clients into a :class:`HistoryStore`.
+
+    ``port=0`` picks a free port (see :attr:`port` after :meth:`start`).
+    Use as a context manager, or call :meth:`start` and :meth:`close`.
+    """
+
+    def __init__(self, port: int = config.DEFAULT_PORT, host: str = "127.0.0.1", *,
+                 store: HistoryStore | None = None, limits: wire.Limits | None = None):
+        self.host = host
+        self.port = port
+        self.store = store if store is not None else HistoryStore()
+        self.limits = limits if limits is not None else wire.Limits()
+        self.idle_timeout = config.idle_timeout()
+        self.max_connections = config.max_connections()
+        self._listener: socket.socket | None = None
+        self._connections: dict[socket.socket, Sender] = {}
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._closing = threading.Event()
+        self.received = 0
+        self.refused = 0
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> Server:
+        """Bind, listen and start accepting in a background thread; return ``self``."""
+        if self._listener is not None:
+            return self
+        self._listener = listen(self.host, self.port)
+        self.port = self._listener.getsockname()[1]
+        self._closing.clear()
+        self._spawn(self._accept_loop, "thing-accept")
+        log.info("Server started at port %d.", self.port)
+        return self
+
+    def close(self) -> None:
+        """Stop accepting, disconnect every client and wait for their threads."""
+        if self._listener is None:
+            return
+        self._closing.set()
+        _shutdown(self._listener)
+        with self._lock:
+            for sock in self._connections:
+                _shutdown(sock)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._listener.close()
+        self._listener = None
+        self._threads.clear()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`close`."""
+        return self._listener is not None
+
+    def clients(self) -> list[Sender]:
+        """The clients connected right now."""
+        with self._lock:
+            return list(self._connections.values())
+
+    # -- queries (the REPL functions call these) -----------------------------------
+
+    def get(self, name_or_id: str | int, index: int = 0, rank: int | None = None) -> Any:
+        """The newest value of a name (``index=1`` the one before, ...) or the value with an id."""
+        return self.store.get(name_or_id, index, rank).value
+
+    def get_all(self, name: str, rank: int | None = None) -> list[Any]:
+        """Every kept value of ``name``, oldest to newest."""
+        return [capture.value for capture in self.store.get_all(name, rank)]
+
+    def capture(self, name_or_id: str | int, index: int = 0, rank: int | None = None) -> Capture:
+        """The :class:`Capture` record (value plus everything known about it)."""
+        return self.store.get(name_or_id, index, rank)
+
+    def wait(self, name: str, timeout: float | None = None) -> Any:
+        """Block until a new capture of ``name`` arrives; return its value."""
+        return self.store.wait(name, timeout).value
+
+    def clear(self, name: str | None = None) -> int:
+        """Forget one name's history, or everything; return how many captures were dropped."""
+        return self.store.clear(name)
+
+    # -- connections -------------------------------------------------------------
+
+    def _spawn(self, target: Any, name: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        listener = self._listener
+        while not self._closing.is_set():
+            try:
+                sock, address = listener.accept()
+            except OSError:
+                if self._closing.is_set():
+                    return
+                log.exception("accept failed; still listening")
+                continue
+            with self._lock:
+                full = len(self._connections) >= self.max_connections
+            if full:
+                self.refused += 1
+                log.warning("refused %s: already serving %d clients (THING_MAX_CONNECTIONS)",
+                            _format_address(address), self.max_connections)
+                sock.close()
+                continue
+            self._spawn(self._serve_connection, f"thing-conn-{_format_address(address)}",
+                        sock, _format_address(address))
+
+    def _serve_connection(self, sock: socket.socket, address: str) -> None:
+        sender = Sender(address)
+        try:
+            tune_stream(sock)
+            set_timeouts(sock, self.idle_timeout, self.idle_timeout)
+            sender = self._handshake(sock, address)
+            with self._lock:
+                if self._closing.is_set():
+                    return
+                self._connections[sock] = sender
+            log.info("client connected: %s (pid %d on %s)", address, sender.pid, sender.hostname)
+            while self._wait_readable(sock) and self._receive_frame(sock, sender):
+                pass
+        except (HandshakeError, ProtocolError) as exc:
+            log.warning("dropped %s: %s", address, exc)
+        except (ConnectionError, TimeoutError) as exc:
+            log.info("client %s went away: %s", address, exc)
+        except OSError as exc:
+            if not self._closing.is_set():
+                log.warning("connection to %s failed: %s", address, exc)
+        except Exception:  # never let one client's bug take the server thread's siblings down
+            log.exception("unexpected error serving %s; connection closed", address)
+        finally:
+            with self._lock:
+                self._connections.pop(sock, None)
+            sock.close()
+
+    def _handshake(self, sock: socket.socket, address: str) -> Sender:
+        prefix = _recv_exact(sock, wire.HANDSHAKE.size)
+        try:
+            _, length = wire.decode_handshake_prefix(prefix)
+        except HandshakeError as exc:
+            if prefix[:4] == wire.MAGIC:  # a thing peer of another version: tell it why
+                send_buffers(sock, [wire.encode_handshake({"error": str(exc)}, wire.HANDSHAKE_REFUSED)])
+            raise
+        info = wire.decode_handshake_info(_recv_exact(sock, length))
+        send_buffers(sock, [wire.encode_handshake({"server": "thing", "pid": os.getpid()})])
+        return Sender(
+            address=address,
+            hostname=str(info.get("hostname", "?"))[:255],
+            pid=_int_or(info.get("pid"), 0),
+        )
+
+    def _wait_readable(self, sock: socket.socket) -> bool:
+        """Wait, as long as it takes, for the next frame to begin; False once closing."""
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        while not self._closing.is_set():
+            if poller.poll(1000):
+                return True
+        return False
+
+    def _receive_frame(self, sock: socket.socket, sender: Sender) -> bool:
+        """Receive, validate and store one frame; False when the peer closed between frames."""
+        prefix = bytearray(wire.FRAME_PREFIX.size)
+        try:
+            recv_buffers(sock, [prefix])
+        except ConnectionResetError:
+            return False  # a clean close between frames
+        header_len, payload_len = wire.decode_prefix(bytes(prefix), self.limits)
+        header = wire.decode_header(_recv_exact(sock, header_len), payload_len, self.limits)
+        try:
+            self.store.reserve(payload_len)
+        except LimitExceeded as exc:
+            _discard(sock, payload_len + wire.FRAME_TRAILER.size)
+            send_buffers(sock, [wire.encode_ack(header.seq, -1, str(exc))])
+            log.warning("rejected %r from %s: %s", header.name, sender.address, exc)
+            return True
+        stored = False
+        try:
+            arrays = [allocate(spec) for spec in header.leaves]
+            trailer = bytearray(wire.FRAME_TRAILER.size)
+            recv_buffers(sock, [array for array in arrays if array.nbytes] + [trailer])
+            modified = wire.decode_trailer(bytes(trailer))
+            value = wire.build_value(header.tree, [finish(s, a) for s, a in zip(header.leaves, arrays)])
+            capture = self.store.add(
+                header.name, value, header.leaves, payload_len, _sender_of(header.meta, sender),
+                caught_at=_float_or(header.meta.get("caught_at")),
+                call_site=_str_or(header.meta.get("site")),
+                modified_during_send=modified,
+            )
+            stored = True
+        finally:
+            if not stored:
+                self.store.release(payload_len)
+        self.received += 1
+        send_buffers(sock, [wire.encode_ack(header.seq, capture.id)])
+        return True
+
+
+def _sender_of(meta: dict[str, Any], connection: Sender) -> Sender:
+    rank, world_size = meta.get("rank"), meta.get("world_size")
+    if rank is None and world_size is None:
+        return connection
+    return Sender(connection.address, connection.hostname, connection.pid,
+                  _int_or(rank, None), _int_or(world_size, None))
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    buffer = bytearray(size)
+    recv_buffers(sock, [buffer])
+    return bytes(buffer)
+
+
+def _discard(sock: socket.socket, size: int) -> None:
+    scratch = bytearray(min(size, 1 << 20))
+    while size:
+        chunk = memoryview(scratch)[: min(size, len(scratch))]
+        recv_buffers(sock, [chunk])
+        size -= len(chunk)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _format_address(address: Any) -> str:
+    if isinstance(address, tuple) and len(address) >= 2:
+        return f"{address[0]}:{address[1]}"
+    return str(address) or "local"
+
+
+def _int_or(value: Any, default: Any) -> Any:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _float_or(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _str_or(value: Any) -> str | None:
+    return value[:1024] if isinstance(value, str) else None

@@ -1,0 +1,312 @@
+"""The wire format: handshake, capture frames, acknowledgements.
+
+docs/PROTOCOL.md is the prose version of this module. Everything a peer sends
+is decoded here and nowhere else, and every length, dtype and shape is checked
+against :class:`Limits` before the receiver allocates a byte for it. Headers
+are JSON; nothing on the wire is ever unpickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import config
+from .arrays import CARRIER_DTYPES, FRAMEWORKS, Leaf, LeafSpec, catch_leaf, is_array
+from .errors import HandshakeError, LimitExceeded, ProtocolError, UnsupportedType
+
+MAGIC = b"THNG"
+VERSION = 1
+
+# magic, protocol version, status (0 = ok) or flags, length of the JSON that follows
+HANDSHAKE = struct.Struct("<4sHHI")
+HANDSHAKE_OK = 0
+HANDSHAKE_REFUSED = 1
+MAX_HANDSHAKE_JSON = 64 << 10
+
+# b"TF", kind, header length, payload length; then header, payload, trailer
+FRAME_PREFIX = struct.Struct("<2sHIQ")
+FRAME_TAG = b"TF"
+KIND_CAPTURE = 1
+# b"TE", flags, reserved: sent after the payload, when the sender knows whether it tore
+FRAME_TRAILER = struct.Struct("<2sHI")
+TRAILER_TAG = b"TE"
+FLAG_MODIFIED_DURING_SEND = 1
+
+# b"TA", status, message length, client's sequence number, server's capture id
+ACK = struct.Struct("<2sHIQq")
+ACK_TAG = b"TA"
+ACK_STORED = 0
+ACK_REJECTED = 1
+
+_NDIM_MAX = 64
+_DIM_MAX = 1 << 62
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a receiver accepts from one peer; checked before any allocation."""
+
+    max_capture_bytes: int = field(default_factory=config.max_capture_bytes)
+    max_header_bytes: int = field(default_factory=config.max_header_bytes)
+    max_depth: int = 64
+    max_leaves: int = 100_000
+    max_name_length: int = 4096
+
+
+# -- handshake ------------------------------------------------------------------
+
+
+def encode_handshake(info: dict[str, Any], status: int = HANDSHAKE_OK) -> bytes:
+    """The bytes one side sends to open a connection: magic, version, status and ``info``."""
+    body = json.dumps(info).encode()
+    return HANDSHAKE.pack(MAGIC, VERSION, status, len(body)) + body
+
+
+def decode_handshake_prefix(prefix: bytes) -> tuple[int, int]:
+    """Check the fixed part of a handshake; return ``(status, json_length)``."""
+    magic, version, status, length = HANDSHAKE.unpack(prefix)
+    if magic != MAGIC:
+        raise HandshakeError(f"peer is not a thing peer (it sent {prefix[:8]!r})")
+    if version != VERSION:
+        raise HandshakeError(
+            f"peer speaks thing protocol version {version}, this side speaks {VERSION}: "
+            "install the same thing version on both sides"
+        )
+    if length > MAX_HANDSHAKE_JSON:
+        raise LimitExceeded(f"handshake of {length} bytes exceeds {MAX_HANDSHAKE_JSON}")
+    return status, length
+
+
+def decode_handshake_info(body: bytes) -> dict[str, Any]:
+    """The JSON object of a handshake; its values are informational and never executed."""
+    info = _load_json(body, "handshake")
+    if not isinstance(info, dict):
+        raise HandshakeError("handshake info is not a JSON object")
+    return info
+
+
+# -- captures: sending side -----------------------------------------------------
+
+
+@dataclass
+class Payload:
+    """A capture taken apart on the caller's thread: JSON-ready structure plus array leaves."""
+
+    tree: Any
+    leaves: list[Leaf]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.spec.nbytes for leaf in self.leaves)
+
+
+def take_apart(value: Any, copy: bool = False, max_depth: int = 64) -> Payload:
+    """Split ``value`` into a JSON tree and its array leaves, touching no array data.
+
+    Raises :class:`UnsupportedType` for anything that cannot travel.
+    """
+    leaves: list[Leaf] = []
+
+    def walk(obj: Any, depth: int) -> Any:
+        if depth > max_depth:
+            raise UnsupportedType(f"containers nested deeper than {max_depth} levels")
+        if obj is None or type(obj) in (bool, int, float, str):
+            return obj
+        if is_array(obj):
+            leaves.append(catch_leaf(obj, copy))
+            return {"leaf": len(leaves) - 1}
+        for plain in (int, float, str):  # subclasses, e.g. an IntEnum, travel as their base
+            if isinstance(obj, plain):
+                return plain(obj)
+        if isinstance(obj, list):
+            return {"list": [walk(item, depth + 1) for item in obj]}
+        if isinstance(obj, tuple):
+            return {"tuple": [walk(item, depth + 1) for item in obj]}
+        if isinstance(obj, dict):
+            items = []
+            for key, item in obj.items():
+                if not isinstance(key, str):
+                    raise UnsupportedType(f"dict keys must be str, not {type(key).__qualname__}")
+                items.append([key, walk(item, depth + 1)])
+            return {"dict": items}
+        raise UnsupportedType(f"cannot send an object of type {type(obj).__qualname__}")
+
+    return Payload(walk(value, 0), leaves)
+
+
+def encode_header(seq: int, name: str | None, payload: Payload, meta: dict[str, Any]) -> bytes:
+    """The JSON header of one capture frame."""
+    leaves = [
+        [leaf.spec.framework, leaf.spec.dtype, list(leaf.spec.shape), leaf.spec.scalar]
+        for leaf in payload.leaves
+    ]
+    document = {"seq": seq, "name": name, "value": payload.tree, "leaves": leaves, "meta": meta}
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def encode_prefix(header: bytes, payload_len: int) -> bytes:
+    """The fixed-size part that opens a capture frame."""
+    return FRAME_PREFIX.pack(FRAME_TAG, KIND_CAPTURE, len(header), payload_len)
+
+
+def encode_trailer(modified_during_send: bool) -> bytes:
+    """The fixed-size part that closes a capture frame."""
+    return FRAME_TRAILER.pack(TRAILER_TAG, FLAG_MODIFIED_DURING_SEND if modified_during_send else 0, 0)
+
+
+# -- captures: receiving side ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """A validated capture header: safe to allocate from."""
+
+    seq: int
+    name: str | None
+    tree: Any
+    leaves: tuple[LeafSpec, ...]
+    meta: dict[str, Any]
+
+
+def decode_prefix(prefix: bytes, limits: Limits) -> tuple[int, int]:
+    """Check a frame prefix; return ``(header_length, payload_length)``."""
+    tag, kind, header_len, payload_len = FRAME_PREFIX.unpack(prefix)
+    if tag != FRAME_TAG or kind != KIND_CAPTURE:
+        raise ProtocolError(f"bad frame prefix {prefix!r}")
+    if header_len > limits.max_header_bytes:
+        raise LimitExceeded(f"header of {header_len} bytes exceeds {limits.max_header_bytes}")
+    if header_len + payload_len > limits.max_capture_bytes:
+        raise LimitExceeded(
+            f"capture of {header_len + payload_len} bytes exceeds {limits.max_capture_bytes}"
+        )
+    return header_len, payload_len
+
+
+def decode_trailer(trailer: bytes) -> bool:
+    """Check a frame trailer; return whether the sender saw the data change while sending."""
+    tag, flags, _ = FRAME_TRAILER.unpack(trailer)
+    if tag != TRAILER_TAG or flags & ~FLAG_MODIFIED_DURING_SEND:
+        raise ProtocolError(f"bad frame trailer {trailer!r}")
+    return bool(flags & FLAG_MODIFIED_DURING_SEND)
+
+
+def decode_header(raw: bytes, payload_len: int, limits: Limits) -> FrameHeader:
+    """Validate a capture header completely; raise :class:`ProtocolError` on any flaw."""
+    document = _load_json(raw, "header")
+    if not isinstance(document, dict) or set(document) != {"seq", "name", "value", "leaves", "meta"}:
+        raise ProtocolError("header is not a capture header")
+    seq = document["seq"]
+    if not _is_int(seq) or not 0 <= seq < 1 << 64:
+        raise ProtocolError("header seq is not a 64-bit unsigned integer")
+    name = document["name"]
+    if name is not None and (not isinstance(name, str) or len(name) > limits.max_name_length):
+        raise ProtocolError("header name is not a string of acceptable length")
+    meta = document["meta"]
+    if not isinstance(meta, dict):
+        raise ProtocolError("header meta is not an object")
+    leaves = _decode_leaves(document["leaves"], limits)
+    total = sum(spec.nbytes for spec in leaves)
+    if total != payload_len:
+        raise ProtocolError(f"leaves describe {total} bytes but the payload holds {payload_len}")
+    used = [False] * len(leaves)
+    _check_tree(document["value"], used, limits.max_depth)
+    if not all(used):
+        raise ProtocolError("header lists leaves its value does not use")
+    return FrameHeader(seq, name, document["value"], leaves, meta)
+
+
+def _decode_leaves(raw: Any, limits: Limits) -> tuple[LeafSpec, ...]:
+    if not isinstance(raw, list) or len(raw) > limits.max_leaves:
+        raise ProtocolError("header leaves are not a list of acceptable length")
+    specs = []
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 4):
+            raise ProtocolError("leaf entry is not [framework, dtype, shape, scalar]")
+        framework, dtype, shape, scalar = entry
+        if framework not in (*FRAMEWORKS, "bytes") or dtype not in CARRIER_DTYPES:
+            raise ProtocolError(f"unknown framework or dtype {framework!r}, {dtype!r}")
+        if framework == "bytes" and dtype != "uint8":
+            raise ProtocolError("bytes leaves must be uint8")
+        if not isinstance(shape, list) or len(shape) > _NDIM_MAX:
+            raise ProtocolError("leaf shape is not a list of at most 64 dimensions")
+        if not all(_is_int(extent) and 0 <= extent <= _DIM_MAX for extent in shape):
+            raise ProtocolError(f"leaf shape {shape!r} has a bad extent")
+        if not isinstance(scalar, bool) or (scalar and shape):
+            raise ProtocolError("leaf scalar flag is invalid")
+        count = math.prod(shape)
+        if count * CARRIER_DTYPES[dtype].itemsize > limits.max_capture_bytes:
+            raise LimitExceeded(f"leaf of shape {shape} exceeds {limits.max_capture_bytes} bytes")
+        specs.append(LeafSpec(framework, dtype, tuple(shape), scalar))
+    return tuple(specs)
+
+
+def _check_tree(node: Any, used: list[bool], depth: int) -> None:
+    if depth < 0:
+        raise ProtocolError("value nested too deeply")
+    if node is None or isinstance(node, (bool, str, int, float)):
+        return
+    if not isinstance(node, dict) or len(node) != 1:
+        raise ProtocolError("value node is not a tagged container")
+    (tag, body), = node.items()
+    if tag == "leaf":
+        if not _is_int(body) or not 0 <= body < len(used) or used[body]:
+            raise ProtocolError("value refers to a missing or repeated leaf")
+        used[body] = True
+    elif tag in ("list", "tuple"):
+        if not isinstance(body, list):
+            raise ProtocolError(f"{tag} node is not a list")
+        for item in body:
+            _check_tree(item, used, depth - 1)
+    elif tag == "dict":
+        if not isinstance(body, list):
+            raise ProtocolError("dict node is not a list of pairs")
+        for pair in body:
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise ProtocolError("dict entry is not a [str, value] pair")
+            _check_tree(pair[1], used, depth - 1)
+    else:
+        raise ProtocolError(f"unknown value node {tag!r}")
+
+
+def build_value(tree: Any, leaves: list[Any]) -> Any:
+    """Rebuild the sent object from a validated tree and its received leaves."""
+    if not isinstance(tree, dict):
+        return tree
+    (tag, body), = tree.items()
+    if tag == "leaf":
+        return leaves[body]
+    if tag == "list":
+        return [build_value(item, leaves) for item in body]
+    if tag == "tuple":
+        return tuple(build_value(item, leaves) for item in body)
+    return {key: build_value(item, leaves) for key, item in body}
+
+
+def encode_ack(seq: int, capture_id: int, error: str | None = None) -> bytes:
+    """The server's answer to one frame: stored under ``capture_id``, or rejected with ``error``."""
+    message = (error or "").encode()
+    status = ACK_REJECTED if error is not None else ACK_STORED
+    return ACK.pack(ACK_TAG, status, len(message), seq, capture_id) + message
+
+
+def decode_ack(prefix: bytes) -> tuple[int, int, int, int]:
+    """Check an acknowledgement; return ``(status, message_length, seq, capture_id)``."""
+    tag, status, length, seq, capture_id = ACK.unpack(prefix)
+    if tag != ACK_TAG or status not in (ACK_STORED, ACK_REJECTED) or length > MAX_HANDSHAKE_JSON:
+        raise ProtocolError(f"bad acknowledgement {prefix!r}")
+    return status, length, seq, capture_id
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _load_json(raw: bytes, what: str) -> Any:
+    try:
+        return json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ProtocolError(f"{what} is not valid UTF-8 JSON: {exc}") from None
