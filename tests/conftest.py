@@ -8,6 +8,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,14 +55,18 @@ def script_env(port: int | None = None, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_script(code: str, port: int | None = None, timeout: float = 60, **env: str) -> str:
-    """Run ``code`` in a fresh interpreter; return its stdout, fail the test on a non-zero exit."""
+def run_script(code: str, port: int | None = None, timeout: float = 60, full: bool = False,
+               **env: str) -> Any:
+    """Run ``code`` in a fresh interpreter; fail the test on a non-zero exit.
+
+    Returns its stdout, or the whole ``CompletedProcess`` with ``full=True``.
+    """
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=script_env(port, **env), capture_output=True, text=True, timeout=timeout,
     )
     assert result.returncode == 0, f"script failed ({result.returncode}):\n{result.stderr}"
-    return result.stdout
+    return result if full else result.stdout
 
 
 def start_script(code: str, port: int | None = None, **env: str) -> subprocess.Popen:

@@ -14,6 +14,7 @@ In a REPL or notebook::
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from typing import Any
@@ -45,6 +46,9 @@ from .server import Server
 from .store import Capture, HistoryStore
 
 __version__ = "0.1.0"
+
+# A library stays quiet unless the application configured logging.
+logging.getLogger("thing").addHandler(logging.NullHandler())
 
 __all__ = [
     "BACKEND", "Capture", "CaptureHandle", "Client", "HandshakeError", "HistoryStore",

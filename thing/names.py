@@ -2,8 +2,8 @@
 
 ``thing.catch(loss)`` is named ``loss``, ``thing.catch(model.lm_head.weight)`` is named
 ``model.lm_head.weight`` and ``thing.catch(h[3])`` is named ``h[3]``: the name is the source
-text of the first positional argument (or, when there is none, of the first keyword argument
-other than ``name=``), with every run of whitespace and newlines collapsed to one space and
+text of the first positional argument (or, when there is none, of the ``obj=`` keyword
+argument), with every run of whitespace and newlines collapsed to one space and
 comments dropped. The function called may have any name (``thing.catch``, ``client.catch``,
 ``catch``...).
 
@@ -52,6 +52,9 @@ _LAYOUT_TOKENS = frozenset(
         tokenize.ENDMARKER,
     }
 )
+# Python 3.12+ tokenizes f-strings into parts; earlier versions have no such tokens.
+_FSTRING_START = getattr(tokenize, "FSTRING_START", None)
+_FSTRING_END = getattr(tokenize, "FSTRING_END", None)
 
 
 class CallSite(NamedTuple):
@@ -65,7 +68,9 @@ class CallSite(NamedTuple):
 class NameTracer:
     """Names captures after the source text of their first argument, once per call site."""
 
-    def __init__(self) -> None:
+    def __init__(self, keyword: str = "obj") -> None:
+        """``keyword`` is the argument that carries the captured object when not positional."""
+        self.keyword = keyword
         # (id(code), f_lasti) -> (name, CallSite). Keyed by id() rather than by the code
         # object because hashing a code object hashes its constants (and every nested code
         # object) on each call; _pinned keeps those code objects alive so no id is reused.
@@ -76,8 +81,9 @@ class NameTracer:
         self._by_site: dict[tuple, str] = {}
         self._taken: set[str] = set()
         self._next_suffix: dict[str, int] = {}
-        # filename -> (the lines linecache gave, their parse); for the line-based fallback.
-        self._parsed: dict[str, tuple[list[str], Optional[ast.Module]]] = {}
+        # filename -> (the lines linecache gave, their text, its parse); for the line-based
+        # fallback, which otherwise would parse a whole file for every call site in it.
+        self._parsed: dict[str, tuple[list[str], str, Optional[ast.Module]]] = {}
 
     def name_for(self, frame: types.FrameType) -> tuple[str, CallSite]:
         """Return the name and call site of the call that ``frame`` is executing.
@@ -97,7 +103,7 @@ class NameTracer:
         try:
             site, identity, base = self._trace(frame)
         except Exception as exc:  # a name is never worth failing a training step for
-            log.debug("thing: could not trace a capture name (%r); using a fallback", exc)
+            log.debug("could not trace a capture name (%r); using a fallback", exc)
             line = frame.f_lineno or 0
             site = CallSite(code.co_filename, line, _function_name(code))
             identity = (code.co_filename, site.function, lasti)
@@ -131,7 +137,7 @@ class NameTracer:
         positions = _call_positions(code, frame.f_lasti)
         if positions is not None:
             line = positions[0]
-            argument = _argument_at(lines, *positions) if lines else None
+            argument = _argument_at(lines, positions, self.keyword) if lines else None
             # Positions identify the call even after its code object is recompiled.
             identity: tuple = (code.co_filename, function, *positions)
         else:
@@ -141,8 +147,8 @@ class NameTracer:
         site = CallSite(code.co_filename, line, function)
         if argument is None:
             why = "no source" if not lines else "no single first argument found in the source"
-            log.debug("thing: %s for the capture at %s:%s; using a fallback name", why,
-                      site.file, site.line)
+            log.debug("%s for the capture at %s:%s; using a fallback name",
+                      why, site.file, site.line)
             base = _fallback_name(site)
         else:
             base = argument
@@ -151,16 +157,17 @@ class NameTracer:
     def _argument_on_line(self, filename: str, lines: list[str], line: int) -> Optional[str]:
         """Best effort without column positions: the one ``...catch(arg)`` call on the line."""
         cached = self._parsed.get(filename)
+        # linecache hands out the same list until the file is read again.
         if cached is None or cached[0] is not lines:
+            source = "".join(lines)
             try:
-                tree: Optional[ast.Module] = ast.parse("".join(lines))
+                tree: Optional[ast.Module] = ast.parse(source)
             except (SyntaxError, ValueError):
                 tree = None
-            cached = self._parsed[filename] = (lines, tree)
-        tree = cached[1]
+            cached = self._parsed[filename] = (lines, source, tree)
+        _, source, tree = cached
         if tree is None:
             return None
-        source = "".join(lines)
         found = []
         for node in ast.walk(tree):
             if (
@@ -168,7 +175,7 @@ class NameTracer:
                 and node.lineno <= line <= (node.end_lineno or node.lineno)
                 and _called_name(node.func).endswith("catch")
             ):
-                argument = _first_argument(node)
+                argument = _first_argument(node, self.keyword)
                 if argument is not None:
                     found.append(ast.get_source_segment(source, argument))
         if len(found) == 1 and found[0]:
@@ -197,9 +204,10 @@ def _call_positions(code: types.CodeType, lasti: int) -> Optional[tuple[int, int
 
 
 def _argument_at(
-    lines: list[str], line: int, end_line: int, column: int, end_column: int
+    lines: list[str], positions: tuple[int, int, int, int], keyword: str
 ) -> Optional[str]:
     """The first argument's text of the call expression at these positions, if it is a call."""
+    line, end_line, column, end_column = positions
     if not 1 <= line <= end_line <= len(lines):
         return None
     # Columns count UTF-8 bytes, as in the ast.
@@ -216,22 +224,19 @@ def _argument_at(
         return None
     if not isinstance(call, ast.Call):
         return None
-    argument = _first_argument(call)
+    argument = _first_argument(call, keyword)
     if argument is None:
         return None
     text = ast.get_source_segment(expression, argument)
     return _normalise_whitespace(text) if text else None
 
 
-def _first_argument(call: ast.Call) -> Optional[ast.expr]:
-    """The first positional argument, else the first keyword one other than ``name=``."""
+def _first_argument(call: ast.Call, keyword: str) -> Optional[ast.expr]:
+    """The first positional argument, else the one passed as ``keyword=``."""
     if call.args:
         # catch(*tensors) has no one expression to be named after.
         return None if isinstance(call.args[0], ast.Starred) else call.args[0]
-    for keyword in call.keywords:
-        if keyword.arg is not None and keyword.arg != "name":
-            return keyword.value
-    return None
+    return next((k.value for k in call.keywords if k.arg == keyword), None)
 
 
 def _called_name(func: ast.expr) -> str:
@@ -245,20 +250,35 @@ def _called_name(func: ast.expr) -> str:
 def _normalise_whitespace(text: str) -> str:
     """``x +  # why\\n    y`` -> ``x + y``: one space between tokens that had any, no comments.
 
-    Works on tokens, so whitespace inside string literals is kept as written.
+    Works on tokens, so string literals (f-strings included) are kept exactly as written.
     """
+    # The parentheses make a multi-line expression one logical line, as it was in the call.
+    wrapped = f"({text})"
     try:
-        # The parentheses make a multi-line expression one logical line, as it was in the call.
-        tokens = list(tokenize.generate_tokens(io.StringIO(f"({text})").readline))
+        tokens = list(tokenize.generate_tokens(io.StringIO(wrapped).readline))
     except (tokenize.TokenError, SyntaxError):
         return " ".join(text.split())
-    significant = [token for token in tokens if token.type not in _LAYOUT_TOKENS][1:-1]
+    line_starts = list(itertools.accumulate((len(line) + 1 for line in wrapped.split("\n")),
+                                            initial=0))
+    # Spans are cut from the text rather than taken from token.string because Python 3.12+
+    # splits an f-string into many tokens whose strings do not always match its source.
+    spans: list[list[int]] = []
+    fstring_depth = 0
+    for token in tokens:
+        if token.type in _LAYOUT_TOKENS:
+            continue
+        start = line_starts[token.start[0] - 1] + token.start[1]
+        end = line_starts[token.end[0] - 1] + token.end[1]
+        if fstring_depth:
+            spans[-1][1] = end
+        else:
+            spans.append([start, end])
+        fstring_depth += (token.type == _FSTRING_START) - (token.type == _FSTRING_END)
     parts: list[str] = []
     previous_end = None
-    for token in significant:
-        if previous_end is not None and token.start != previous_end:
+    for start, end in spans[1:-1]:  # without the added parentheses
+        if previous_end is not None and start != previous_end:
             parts.append(" ")
-        parts.append(token.string)
-        previous_end = token.end
+        parts.append(wrapped[start:end])
+        previous_end = end
     return "".join(parts) or " ".join(text.split())
-

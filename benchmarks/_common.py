@@ -1,0 +1,172 @@
+"""Helpers shared by the benchmark scripts: the machine, child processes, a thing server.
+
+Run as a script (``python benchmarks/_common.py thing-server``) it is the
+server process the benchmarks send to: it prints ``PORT <n>`` on stdout, keeps
+only the newest capture of each name, and answers two commands on stdin,
+``count`` (captures received so far, as JSON) and ``verify <name> <count>``
+(whether the newest capture of ``name`` is bit-exact the benchmark's pattern).
+It exits when stdin closes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # measure this checkout, not some other installed thing
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+
+def pattern(count: int) -> np.ndarray:
+    """The float32 array of ``count`` elements every benchmark sends (deterministic, not zeros)."""
+    return np.random.default_rng(count).standard_normal(count, dtype=np.float32)
+
+
+def bit_equal(a: Any, b: np.ndarray) -> bool:
+    """True when ``a`` holds exactly the bytes of ``b`` (NaN-safe: compares bit patterns)."""
+    a = np.asarray(a)
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
+        a.view(np.uint32), b.view(np.uint32))
+
+
+def machine() -> dict[str, str]:
+    """What the figures were measured on."""
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        usable = os.cpu_count() or 0
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        memory_text = f"{memory:.0f} GiB"
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        memory_text = "?"
+    try:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:  # pragma: no cover
+        load = "?"
+    import thing
+
+    info = {
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu,
+        "cores": f"{usable} usable ({os.cpu_count()} online)",
+        "memory": memory_text,
+        "load average": load,
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "thing": f"{thing.__version__} ({thing.BACKEND} core)",
+    }
+    if "torch" in sys.modules:
+        info["torch"] = f"{sys.modules['torch'].__version__} ({sys.modules['torch'].get_num_threads()} threads)"
+    return info
+
+
+def print_machine(title: str) -> None:
+    print(title)
+    for key, value in machine().items():
+        print(f"  {key:<13} {value}")
+    print()
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a benchmark child: this checkout first on the path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+class Child:
+    """A Python child process spoken to line by line over its stdin and stdout."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None):
+        self.proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1,
+                                     env=env or child_env())
+
+    def readline(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait(timeout=30)
+            raise RuntimeError(f"benchmark child {self.proc.args[1:]} exited with {code}")
+        return line.strip()
+
+    def ask(self, command: str) -> Any:
+        """Send one command line; return the JSON answer line."""
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.readline())
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_thing_server(**env: str) -> tuple[Child, int]:
+    """Start ``thing.Server(port=0)`` in a child process; return it and its port."""
+    child = Child([__file__, "thing-server"], child_env(**env))
+    line = child.readline()
+    if not line.startswith("PORT "):
+        raise RuntimeError(f"thing server child said {line!r}")
+    return child, int(line.split()[1])
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _serve_thing() -> None:
+    import thing
+
+    # Keep one version per name so a long run holds at most one array of each size.
+    server = thing.Server(port=0, store=thing.HistoryStore(max_versions=1)).start()
+    print(f"PORT {server.port}", flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if not words:
+            continue
+        if words[0] == "count":
+            answer: Any = {"received": server.received, "backend": thing.BACKEND}
+        elif words[0] == "verify":
+            name, count = words[1], int(words[2])
+            try:
+                value = server.get(name)
+                answer = {"name": name, "ok": bit_equal(value, pattern(count)),
+                          "type": type(value).__name__}
+            except Exception as exc:  # report, do not crash the benchmark
+                answer = {"name": name, "ok": False, "error": repr(exc)}
+        else:
+            answer = {"error": f"unknown command {words[0]!r}"}
+        print(json.dumps(answer), flush=True)
+    server.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["thing-server"]:
+        _serve_thing()
+    else:
+        sys.exit("usage: _common.py thing-server")

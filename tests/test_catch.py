@@ -1,0 +1,252 @@
+"""catch() in a training loop: throttling, bounded queue, in-place updates, fork, ranks, failures."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import thing
+from thing import wire
+from thing._core import recv_buffers, send_buffers
+
+from .conftest import run_script, start_script
+
+
+def test_every_and_first_arithmetic(server: thing.Server) -> None:
+    run_script(
+        """
+        import thing
+        sent = {"every": [], "first": [], "both": []}
+        for i in range(1, 31):
+            if thing.catch(i, name="every", every=10).wait(10):
+                sent["every"].append(i)
+            if thing.catch(i, name="first", first=3).wait(10):
+                sent["first"].append(i)
+            if thing.catch(i, name="both", every=4, first=3).wait(10):
+                sent["both"].append(i)
+        assert sent == {"every": [1, 11, 21], "first": [1, 2, 3], "both": [1, 5, 9]}, sent
+        """,
+        server.port,
+    )
+    assert server.get_all("every") == [1, 11, 21]
+    assert server.get_all("first") == [1, 2, 3]
+    assert server.get_all("both") == [1, 5, 9]
+
+
+def test_traced_names_arrive(server: thing.Server, tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import numpy as np, thing\n"
+        "class Layer:\n"
+        "    weight = np.ones(3)\n"
+        "class Model:\n"
+        "    lm_head = Layer()\n"
+        "model = Model()\n"
+        "loss = 0.25\n"
+        "h = [np.zeros(2)] * 4\n"
+        "handles = [thing.catch(loss), thing.catch(model.lm_head.weight), thing.catch(h[3])]\n"
+        "def elsewhere(loss):\n"
+        "    return thing.catch(loss)\n"
+        "handles.append(elsewhere(0.5))\n"
+        "assert all(h.wait(10) for h in handles)\n"
+    )
+    run_script(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')", server.port)
+    assert set(server.store.names()) == {"loss", "model.lm_head.weight", "h[3]", "loss_1"}
+    assert server.get("loss") == 0.25 and server.get("loss_1") == 0.5
+    site = server.capture("loss_1").call_site
+    assert site.endswith("(elsewhere)") and "train.py:11" in site
+
+
+def test_catch_never_raises_or_prints(server: thing.Server) -> None:
+    result = run_script(
+        """
+        import sys, thing
+        handle = thing.catch(object(), name="bad")
+        assert handle.wait(1) is False and "object" not in (handle.error or "x")
+        assert thing.catch({1: "non-str key"}, name="bad2").wait(1) is False
+        assert thing.catch(1.5, name="good").wait(10) is True
+        """,
+        server.port,
+        full=True,
+    )
+    assert result.stdout == "" and result.stderr == ""
+    assert server.store.names() == ["good"]
+
+
+def test_server_gone_returns_false_at_once() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free_port = probe.getsockname()[1]
+    out = run_script(
+        """
+        import time, numpy as np, thing
+        x = np.ones(1000)
+        results = []
+        start = time.perf_counter()
+        for i in range(200):
+            results.append(thing.catch(x, name="x"))
+        elapsed = time.perf_counter() - start
+        assert not any(h.wait(2) for h in results)
+        assert elapsed < 1.0, elapsed
+        print("ok")
+        """,
+        free_port,
+    )
+    assert out.strip() == "ok"
+
+
+class _StalledServer:
+    """A real thing peer that completes the handshake and then never reads."""
+
+    def __init__(self) -> None:
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.port = self.listener.getsockname()[1]
+        self.peers: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        try:
+            peer, _ = self.listener.accept()
+        except OSError:
+            return
+        self.peers.append(peer)
+        prefix = bytearray(wire.HANDSHAKE.size)
+        recv_buffers(peer, [prefix])
+        _, length = wire.decode_handshake_prefix(bytes(prefix))
+        recv_buffers(peer, [bytearray(length)])
+        send_buffers(peer, [wire.encode_handshake({"server": "stalled"})])
+
+    def close(self) -> None:
+        for sock in [self.listener, *self.peers]:
+            sock.close()
+
+
+def test_full_queue_drops_without_blocking() -> None:
+    stalled = _StalledServer()
+    client = thing.Client("127.0.0.1", stalled.port, max_queue_items=4, max_queue_bytes=1 << 30)
+    try:
+        big = np.ones(8 << 20, dtype=np.uint8)
+        first = client.catch(big, name="big")
+        deadline = time.monotonic() + 10
+        while not client.connected() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        handles = []
+        start = time.perf_counter()
+        for _ in range(200):
+            handles.append(client.catch(big, name="big"))
+        elapsed = time.perf_counter() - start
+        assert elapsed < 1.0, f"catch blocked: {elapsed:.3f} s for 200 calls"
+        dropped = [h for h in handles if h.done and h.error and "full" in h.error]
+        assert len(dropped) >= 190
+        assert client.dropped == len(dropped)
+        assert not first.done  # still stuck in the stalled socket, not lost
+    finally:
+        client.close()
+        stalled.close()
+
+
+def test_block_true_waits_for_room(server: thing.Server) -> None:
+    out = run_script(
+        """
+        import os, numpy as np, thing
+        client = thing.Client("127.0.0.1", int(os.environ["THING_PORT"]), max_queue_items=1)
+        handles = [client.catch(np.full(1 << 20, i, np.float32), name="w", block=True) for i in range(20)]
+        print(sum(h.wait(30) for h in handles))
+        """,
+        server.port,
+    )
+    assert out.strip() == "20"
+    assert [int(v[0]) for v in server.get_all("w")] == list(range(20))
+
+
+def test_in_place_update_is_flagged_and_copy_is_not(server: thing.Server) -> None:
+    run_script(
+        """
+        import torch, thing
+        weight = torch.zeros(16 << 20)
+        torn = thing.catch(weight, name="torn")
+        weight.add_(1)  # optimizer.step() while the send is in flight
+        snapshot = thing.catch(weight, name="snapshot", copy=True)
+        weight.add_(1)
+        assert torn.wait(30) and snapshot.wait(30)
+        """,
+        server.port,
+    )
+    assert server.capture("torn").modified_during_send is True
+    snapshot = server.capture("snapshot")
+    assert snapshot.modified_during_send is False
+    assert bool((snapshot.value == 1).all())
+
+
+def test_forked_child_gets_its_own_client(server: thing.Server) -> None:
+    out = run_script(
+        """
+        import os, thing
+        assert thing.catch(1, name="parent").wait(10)
+        pid = os.fork()
+        if pid == 0:
+            ok = thing.catch(os.getpid(), name="child").wait(10)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert thing.catch(2, name="parent").wait(10)
+        print(pid)
+        """,
+        server.port,
+    )
+    child_pid = int(out)
+    assert server.get("child") == child_pid
+    assert server.capture("child").sender.pid == child_pid
+    assert server.get_all("parent") == [1, 2]
+    assert server.capture("parent").sender.pid != child_pid
+
+
+def test_ranks_from_environment(server: thing.Server) -> None:
+    code = """
+        import os, thing
+        rank = int(os.environ["RANK"])
+        assert thing.catch(rank * 10, name="loss").wait(10)
+        assert thing.catch(rank * 10 + 1, name="loss").wait(10)
+    """
+    procs = [start_script(code, server.port, RANK=str(r), WORLD_SIZE="3") for r in range(3)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    for rank in range(3):
+        assert server.get("loss", rank=rank) == rank * 10 + 1
+        assert server.get_all("loss", rank=rank) == [rank * 10, rank * 10 + 1]
+        capture = server.capture("loss", rank=rank)
+        assert (capture.sender.rank, capture.sender.world_size) == (rank, 3)
+    assert len(server.get_all("loss")) == 6
+
+
+def test_explicit_server_argument(server: thing.Server) -> None:
+    with thing.Server(port=0) as other:
+        run_script(
+            f"""
+            import thing
+            assert thing.catch("default", name="where").wait(10)
+            assert thing.catch("other", name="where", server="127.0.0.1:{other.port}").wait(10)
+            """,
+            server.port,
+        )
+        assert server.get_all("where") == ["default"]
+        assert other.get_all("where") == ["other"]
+
+
+def test_queue_bytes_bound(server: thing.Server) -> None:
+    client = thing.Client("127.0.0.1", server.port, max_queue_bytes=1 << 20, max_queue_items=100)
+    try:
+        assert client.catch(np.zeros(10), name="small").wait(10)
+        # Larger than the byte bound while others wait: still sent when the queue is empty.
+        assert client.catch(np.zeros(1 << 18), name="alone").wait(10)
+    finally:
+        client.close()
+    assert json.dumps(server.store.names()) == '["small", "alone"]'

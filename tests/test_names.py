@@ -1,0 +1,485 @@
+"""Tests of thing.names: capture names traced from the source text of the ``catch`` call.
+
+Every test catches through the small ``Client`` below, whose ``catch`` asks a ``NameTracer``
+about its caller's frame exactly as thing's own ``catch`` does, so these tests depend on
+nothing else in the library.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import linecache
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from thing.names import CallSite, NameTracer
+
+NAMES_PY = Path(__file__).resolve().parents[1] / "thing" / "names.py"
+
+# Tests of what only column positions can tell apart: several calls on one line.
+needs_columns = pytest.mark.skipif(
+    sys.version_info < (3, 11), reason="column positions of instructions are new in 3.11"
+)
+
+
+class Client:
+    """Stands in for thing's client: ``catch`` returns the name thing would give the capture."""
+
+    def __init__(self) -> None:
+        self.tracer = NameTracer()
+        self.sites: list[CallSite] = []  # of every catch, in order
+
+    def catch(self, obj=None, name=None, **options) -> str:
+        name, site = self.tracer.name_for(sys._getframe(1))
+        self.sites.append(site)
+        return name
+
+
+@pytest.fixture
+def client() -> Client:
+    return Client()
+
+
+def load_module(path: Path, name: str):
+    """Import the file at ``path`` as a module named ``name``, outside any package."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fallback_name(function, line_in_function: int) -> str:
+    """The name thing gives a catch on ``line_in_function`` (1 = the ``def``) of ``function``."""
+    code = function.__code__
+    qualified = getattr(code, "co_qualname", code.co_name)
+    return f"{qualified}:{code.co_firstlineno + line_in_function - 1}"
+
+
+def run_python(tmp_path: Path, *args: str) -> list[str]:
+    """Run a Python subprocess in which ``names`` is thing/names.py; return its output lines."""
+    result = subprocess.run(
+        [sys.executable, *args],
+        cwd=tmp_path,
+        env={**os.environ, "NAMES_PY": str(NAMES_PY)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+# Loads thing/names.py by path, so the subprocess needs no working thing/__init__.py.
+SUBPROCESS_PRELUDE = """\
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("names", os.environ["NAMES_PY"])
+names = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(names)
+tracer = names.NameTracer()
+def catch(value=None):
+    return tracer.name_for(sys._getframe(1))[0]
+"""
+
+
+# The name is the source text of the first argument -------------------------------------------
+
+
+def test_plain_name(client):
+    loss = 0.5
+    assert client.catch(loss) == "loss"
+
+
+def test_attribute_chain(client):
+    model = SimpleNamespace(lm_head=SimpleNamespace(weight=[1.0]))
+    assert client.catch(model.lm_head.weight) == "model.lm_head.weight"
+
+
+def test_subscript(client):
+    h = list(range(5))
+    assert client.catch(h[3]) == "h[3]"
+
+
+def test_expression_with_call(client):
+    x = [3.0, 4.0]
+    assert client.catch(sum(x)) == "sum(x)"
+    assert client.catch(max(x, key=abs) * 2) == "max(x, key=abs) * 2"
+
+
+def test_function_called_by_any_name(client):
+    catch = client.catch
+    thing = client
+    loss = 0.5
+    assert catch(loss) == "loss"
+    assert thing.catch(loss * 2) == "loss * 2"
+
+
+@needs_columns
+def test_several_catches_on_one_line(client):
+    a, b = 1, 2
+    assert (client.catch(a), client.catch(b)) == ("a", "b")
+    names = []
+    names.append(client.catch(a + 1)); names.append(client.catch(b + 1))  # noqa: E702
+    assert names == ["a + 1", "b + 1"]
+
+
+def test_call_spread_over_several_lines(client):
+    loss = 0.5
+    name = client.catch(
+        loss,
+        name=None,
+    )
+    assert name == "loss"
+
+
+def test_multiline_argument_is_whitespace_normalised(client):
+    x, y = 1, 2
+    name = client.catch(
+        x +
+          y  # comments are not part of the name
+    )
+    assert name == "x + y"
+
+
+def test_whitespace_inside_string_literals_is_kept(client):
+    table = {"two  spaces": 1}
+    assert client.catch(table[  "two  spaces"  ]) == 'table[ "two  spaces" ]'
+
+
+@needs_columns
+def test_nested_catches(client):
+    x = 1.0
+    outer = client.catch(inner := client.catch(x))
+    assert (outer, inner) == ("inner := client.catch(x)", "x")
+
+
+def test_first_argument_given_as_keyword(client):
+    loss = 0.5
+    assert client.catch(every=2, name=None, obj=loss) == "loss"
+
+
+def test_keyword_that_carries_the_object_is_configurable():
+    tracer = NameTracer(keyword="tensor")
+
+    def catch(tensor=None, obj=None):
+        return tracer.name_for(sys._getframe(1))[0]
+
+    loss, grad = 0.5, 0.1
+    assert catch(obj=grad, tensor=loss) == "loss"
+
+
+
+# Where the call is ----------------------------------------------------------------------------
+
+
+def test_inside_a_function(client):
+    def step(grad):
+        return client.catch(grad)
+
+    assert step(1.0) == "grad"
+    if sys.version_info >= (3, 11):
+        assert client.sites[-1].function == "test_inside_a_function.<locals>.step"
+
+
+def test_inside_a_method(client):
+    class Model:
+        scale = 2.0
+
+        def forward(self, h):
+            return client.catch(self.scale * h)
+
+    assert Model().forward(3.0) == "self.scale * h"
+
+
+def test_inside_a_list_comprehension(client):
+    layers = [1, 2, 3]
+    assert [client.catch(layer) for layer in layers] == ["layer"] * 3
+
+
+def test_inside_a_lambda(client):
+    def name_of(g):
+        return client.catch(g.grad)
+
+    traced = (lambda g: client.catch(g.grad))(SimpleNamespace(grad=1.0))
+    assert traced == "g.grad"
+    # A different call site with the same text gets its own name.
+    assert name_of(SimpleNamespace(grad=1.0)) == "g.grad_1"
+
+
+def test_inside_a_nested_function(client):
+    def outer():
+        def inner(z):
+            return client.catch(z.mean)
+
+        return inner(SimpleNamespace(mean=0.0))
+
+    assert outer() == "z.mean"
+    if sys.version_info >= (3, 11):
+        expected = "test_inside_a_nested_function.<locals>.outer.<locals>.inner"
+        assert client.sites[-1].function == expected
+
+
+def test_call_site_fields(client):
+    loss = 0.5
+    line = sys._getframe().f_lineno + 1
+    name = client.catch(loss)
+    site = client.sites[-1]
+    assert name == "loss"
+    assert site == CallSite(__file__, line, "test_call_site_fields")
+    assert (site.file, site.line, site.function) == tuple(site)
+
+
+def test_call_site_of_a_multiline_call_is_its_first_line(client):
+    line = sys._getframe().f_lineno + 1
+    client.catch(
+        line,
+    )
+    assert client.sites[-1].line == line
+
+
+# Once per call site ---------------------------------------------------------------------------
+
+
+def test_cache_hit_reads_no_source(client, monkeypatch):
+    reads = []
+    real_getlines = linecache.getlines
+
+    def counting_getlines(*args):
+        reads.append(args[0])
+        return real_getlines(*args)
+
+    monkeypatch.setattr(linecache, "getlines", counting_getlines)
+    loss = 0.5
+    names = [client.catch(loss) for _ in range(100)]
+    assert names == ["loss"] * 100
+    assert len(reads) == 1
+
+
+def test_cache_hit_survives_source_becoming_unreadable(client, monkeypatch):
+    def step(loss):
+        return client.catch(loss)
+
+    assert step(0.5) == "loss"
+
+    def unreadable(*args):
+        raise AssertionError("a cache hit must not read source")
+
+    monkeypatch.setattr(linecache, "getlines", unreadable)
+    assert step(0.5) == "loss"
+
+
+def test_same_site_is_stable_across_loop_iterations(client):
+    loss = 0.5
+    names = [client.catch(loss) for _ in range(5)]
+    assert names == ["loss"] * 5
+    assert len(set(client.sites)) == 1
+
+
+def test_distinct_sites_get_suffixes_in_first_catch_order(client):
+    def a(loss):
+        return client.catch(loss)
+
+    def b(loss):
+        return client.catch(loss)
+
+    def c(loss):
+        return client.catch(loss)
+
+    assert b(1) == "loss"
+    assert a(1) == "loss_1"
+    assert c(1) == "loss_2"
+    assert (a(2), b(2), c(2)) == ("loss_1", "loss", "loss_2")
+
+
+@needs_columns
+def test_two_sites_on_one_line_are_distinct(client):
+    x = 1
+    assert (client.catch(x), client.catch(x)) == ("x", "x_1")
+
+
+def test_same_text_in_another_file_is_distinct(client, tmp_path):
+    source = "def step(loss):\n    return client.catch(loss)\n"
+    path = tmp_path / "other_file.py"
+    path.write_text(source)
+    module = load_module(path, "other_file")
+    module.client = client
+    loss = 0.5
+    assert client.catch(loss) == "loss"
+    assert module.step(loss) == "loss_1"
+
+
+def test_suffixed_names_do_not_collide_with_real_names(client):
+    def first(loss):
+        return client.catch(loss)
+
+    def second(loss):
+        return client.catch(loss)
+
+    loss_1 = 0.5
+    assert (first(0), second(0), client.catch(loss_1)) == ("loss", "loss_1", "loss_1_1")
+
+
+def test_recompiled_code_at_the_same_site_keeps_its_name(client):
+    # Reloading a module or re-running an unchanged notebook cell makes a new code object.
+    source = "def step(loss):\n    return client.catch(loss)\n"
+    filename = "<thing-test-recompiled>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    try:
+        names = []
+        for _ in range(2):
+            namespace = {"client": client}
+            exec(compile(source, filename, "exec"), namespace)
+            names.append(namespace["step"](0.5))
+    finally:
+        del linecache.cache[filename]
+    assert names == ["loss", "loss"]
+
+
+def test_concurrent_first_catches_agree(client):
+    barrier = threading.Barrier(8)
+    names = []
+
+    def worker():
+        barrier.wait()
+        names.append(client.catch(barrier))
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert names == ["barrier"] * 8
+
+
+# Source registered in linecache: exec and IPython ---------------------------------------------
+
+
+def test_exec_with_source_in_linecache(client):
+    source = "def step(loss):\n    return client.catch(loss * 2)\n"
+    filename = "<thing-test-cell>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    try:
+        namespace = {"client": client}
+        exec(compile(source, filename, "exec"), namespace)
+        assert namespace["step"](0.5) == "loss * 2"
+    finally:
+        del linecache.cache[filename]
+
+
+@needs_columns
+def test_ipython_cell(client):
+    globalipapp = pytest.importorskip("IPython.testing.globalipapp")
+    shell = globalipapp.start_ipython()
+    shell.user_ns["tracer"] = client.tracer
+    cell = textwrap.dedent(
+        """\
+        import sys
+        from types import SimpleNamespace
+
+        def catch(value):
+            return tracer.name_for(sys._getframe(1))[0]
+
+        model = SimpleNamespace(weight=1.0)
+        h = [0, 1, 2, 3]
+        traced = [catch(model.weight), catch(h[3])]
+        traced.append(catch(
+            model.weight * 2))
+        """
+    )
+    result = shell.run_cell(cell)
+    result.raise_error()
+    assert shell.user_ns["traced"] == ["model.weight", "h[3]", "model.weight * 2"]
+
+
+# Fallback names -------------------------------------------------------------------------------
+
+
+def test_exec_without_source_falls_back(client):
+    namespace = {"client": client}
+    exec("def step(loss):\n    return client.catch(loss)\n", namespace)
+    assert namespace["step"](0.5) == "step:2"
+
+
+def test_python_dash_c_falls_back(tmp_path):
+    script = SUBPROCESS_PRELUDE + textwrap.dedent(
+        """\
+        loss = 0.5
+        print(catch(loss))
+        def step():
+            return catch(loss)
+        print(step())
+        print(step())
+        """
+    )
+    if sys.version_info >= (3, 13):  # which registers the source of -c in linecache
+        expected = ["loss", "loss_1", "loss_1"]
+    else:
+        expected = ["<module>:9", "step:11", "step:11"]
+    assert run_python(tmp_path, "-c", script) == expected
+
+
+def test_no_column_positions_uses_the_one_catch_on_the_line(tmp_path):
+    # -X no_debug_ranges removes column positions, as on Python < 3.11.
+    script = SUBPROCESS_PRELUDE + textwrap.dedent(
+        """\
+        loss = 0.5
+        print(catch(loss))
+        print(catch(
+            loss * 2))
+        print(catch(loss), catch(loss))
+        print(catch(abs(loss)))
+        """
+    )
+    path = tmp_path / "train.py"
+    path.write_text(script)
+    output = run_python(tmp_path, "-X", "no_debug_ranges", str(path))
+    assert output == ["loss", "loss * 2", "<module>:12 <module>:12_1", "abs(loss)"]
+
+
+def test_no_argument_falls_back(client):
+    def step():
+        return client.catch()
+
+    def spread(values):
+        return client.catch(*values)
+
+    assert step() == fallback_name(step, 2)
+    assert spread([1]) == fallback_name(spread, 2)
+
+
+def test_deleted_file_falls_back(client, tmp_path):
+    path = tmp_path / "deleted_module.py"
+    path.write_text("def step(loss):\n    return client.catch(loss)\n")
+    module = load_module(path, "deleted_module")
+    module.client = client
+    path.unlink()
+    linecache.checkcache(str(path))
+    assert module.step(0.5) == "step:2"
+
+
+def test_source_that_no_longer_parses_falls_back(client, tmp_path):
+    path = tmp_path / "edited_module.py"
+    path.write_text("def step(loss):\n    return client.catch(loss)\n")
+    module = load_module(path, "edited_module")
+    module.client = client
+    path.write_text("def step(:\n    return client.catch((((\n")
+    linecache.checkcache(str(path))
+    assert module.step(0.5) == "step:2"
+
+
+def test_never_raises(client, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("linecache is broken")
+
+    monkeypatch.setattr(linecache, "getlines", broken)
+
+    def step(loss):
+        return client.catch(loss)
+
+    assert step(0.5) == fallback_name(step, 2)
