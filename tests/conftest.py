@@ -55,15 +55,19 @@ def script_env(port: int | None = None, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_script(code: str, port: int | None = None, timeout: float = 60, full: bool = False,
-               **env: str) -> Any:
+def run_script(
+    code: str, port: int | None = None, timeout: float = 60, full: bool = False, **env: str
+) -> Any:
     """Run ``code`` in a fresh interpreter; fail the test on a non-zero exit.
 
     Returns its stdout, or the whole ``CompletedProcess`` with ``full=True``.
     """
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        env=script_env(port, **env), capture_output=True, text=True, timeout=timeout,
+        env=script_env(port, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert result.returncode == 0, f"script failed ({result.returncode}):\n{result.stderr}"
     return result if full else result.stdout
@@ -73,5 +77,8 @@ def start_script(code: str, port: int | None = None, **env: str) -> subprocess.P
     """Start ``code`` in a fresh interpreter and return at once."""
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
-        env=script_env(port, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=script_env(port, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )

@@ -1,4 +1,4 @@
-"""catch() in a training loop: throttling, bounded queue, in-place updates, fork, ranks, failures."""
+"""catch() in a training loop: throttling, bounded queue, in-place updates, fork, ranks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 
 import thing
 from thing import wire
@@ -157,7 +156,8 @@ def test_block_true_waits_for_room(server: thing.Server) -> None:
         """
         import os, numpy as np, thing
         client = thing.Client("127.0.0.1", int(os.environ["THING_PORT"]), max_queue_items=1)
-        handles = [client.catch(np.full(1 << 20, i, np.float32), name="w", block=True) for i in range(20)]
+        arrays = [np.full(1 << 20, i, np.float32) for i in range(20)]
+        handles = [client.catch(a, name="w", block=True) for a in arrays]
         print(sum(h.wait(30) for h in handles))
         """,
         server.port,

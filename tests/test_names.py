@@ -1,8 +1,8 @@
 """Tests of thing.names: capture names traced from the source text of the ``catch`` call.
 
-Every test catches through the small ``Client`` below, whose ``catch`` asks a ``NameTracer``
-about its caller's frame exactly as thing's own ``catch`` does, so these tests depend on
-nothing else in the library.
+The tests catch through the small ``Client`` below (or, in subprocesses, a ``catch`` function),
+which asks a ``NameTracer`` about its caller's frame as thing's own ``catch`` does, so these
+tests depend on nothing else in the library.
 """
 
 from __future__ import annotations
@@ -147,9 +147,23 @@ def test_multiline_argument_is_whitespace_normalised(client):
     assert name == "x + y"
 
 
+def test_line_breaks_inside_brackets_and_before_dots_leave_no_space(client):
+    values = [2, 1]
+    name = client.catch(
+        sorted(
+            values,
+            reverse=True
+        )
+        .index(1)
+    )
+    assert name == "sorted(values, reverse=True).index(1)"
+
+
 def test_whitespace_inside_string_literals_is_kept(client):
-    table = {"two  spaces": 1}
+    table = {"two  spaces": 1, "k  {x}": 2}
+    key = "k"
     assert client.catch(table[  "two  spaces"  ]) == 'table[ "two  spaces" ]'
+    assert client.catch(table[f"{key}  {{x}}"]) == 'table[f"{key}  {{x}}"]'
 
 
 @needs_columns
@@ -373,17 +387,13 @@ def test_exec_with_source_in_linecache(client):
 
 
 @needs_columns
-def test_ipython_cell(client):
-    globalipapp = pytest.importorskip("IPython.testing.globalipapp")
-    shell = globalipapp.start_ipython()
-    shell.user_ns["tracer"] = client.tracer
+def test_ipython_cell(tmp_path):
+    pytest.importorskip("IPython")
+    # A cell run by IPython's own machinery, in a subprocess so that no IPython shell is left
+    # behind in this one for other tests to find.
     cell = textwrap.dedent(
         """\
-        import sys
         from types import SimpleNamespace
-
-        def catch(value):
-            return tracer.name_for(sys._getframe(1))[0]
 
         model = SimpleNamespace(weight=1.0)
         h = [0, 1, 2, 3]
@@ -392,9 +402,19 @@ def test_ipython_cell(client):
             model.weight * 2))
         """
     )
-    result = shell.run_cell(cell)
-    result.raise_error()
-    assert shell.user_ns["traced"] == ["model.weight", "h[3]", "model.weight * 2"]
+    script = SUBPROCESS_PRELUDE + textwrap.dedent(
+        f"""\
+        from IPython.testing.globalipapp import start_ipython
+        shell = start_ipython()
+        shell.user_ns["catch"] = catch
+        shell.run_cell({cell!r}).raise_error()
+        for name in shell.user_ns["traced"]:
+            print("traced:", name)
+        """
+    )
+    output = run_python(tmp_path, "-c", script)
+    traced = [line[len("traced: ") :] for line in output if line.startswith("traced: ")]
+    assert traced == ["model.weight", "h[3]", "model.weight * 2"]
 
 
 # Fallback names -------------------------------------------------------------------------------

@@ -51,18 +51,45 @@ __version__ = "0.1.0"
 logging.getLogger("thing").addHandler(logging.NullHandler())
 
 __all__ = [
-    "BACKEND", "Capture", "CaptureHandle", "Client", "HandshakeError", "HistoryStore",
-    "LimitExceeded", "NotServing", "ProtocolError", "Server", "ThingError", "UnsupportedType",
-    "catch", "clear", "describe", "get", "get_all", "help", "ingest_all", "serve", "status",
-    "summary", "wait",
+    "BACKEND",
+    "Capture",
+    "CaptureHandle",
+    "Client",
+    "HandshakeError",
+    "HistoryStore",
+    "LimitExceeded",
+    "NotServing",
+    "ProtocolError",
+    "Server",
+    "ThingError",
+    "UnsupportedType",
+    "catch",
+    "clear",
+    "describe",
+    "get",
+    "get_all",
+    "help",
+    "ingest_all",
+    "serve",
+    "status",
+    "summary",
+    "wait",
 ]
 
 _default_client: Client | None = None
 _default_client_lock = threading.Lock()
 
 
-def catch(obj: Any, name: str | None = None, server: str | None = None, every: int = 1,
-          first: int | None = None, *, copy: bool = False, block: bool = False) -> CaptureHandle:
+def catch(
+    obj: Any,
+    name: str | None = None,
+    server: str | None = None,
+    every: int = 1,
+    first: int | None = None,
+    *,
+    copy: bool = False,
+    block: bool = False,
+) -> CaptureHandle:
     """Send ``obj`` to the thing server without disturbing the caller.
 
     ``obj``: a numpy/torch/jax array, a number, a string, bytes, or nested
@@ -74,8 +101,16 @@ def catch(obj: Any, name: str | None = None, server: str | None = None, every: i
     Returns a handle whose ``wait()`` is True once the server stored it.
     """
     client = _default_client or _make_default_client()
-    return client.catch(obj, name, server, every, first, copy=copy, block=block,
-                        _frame=sys._getframe(1) if name is None else None)
+    return client.catch(
+        obj,
+        name,
+        server,
+        every,
+        first,
+        copy=copy,
+        block=block,
+        _frame=sys._getframe(1) if name is None else None,
+    )
 
 
 def _make_default_client() -> Client:

@@ -28,8 +28,20 @@ log = logging.getLogger("thing")
 # Wire dtype name -> (numpy dtype numpy can hold it in, whether numpy names it natively).
 # Dtypes numpy lacks travel in an unsigned carrier of the same width.
 _NATIVE = (
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float16", "float32", "float64", "complex64", "complex128",
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
 )
 _CARRIED = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 CARRIER_DTYPES: dict[str, np.dtype] = {
@@ -41,7 +53,7 @@ FRAMEWORKS = ("numpy", "torch", "jax")
 
 @dataclass(frozen=True)
 class LeafSpec:
-    """What one array of a capture is: enough to allocate its destination before any byte arrives."""
+    """What one array of a capture is: enough to allocate its destination up front."""
 
     framework: str  # "numpy", "torch", "jax", or "bytes" for a bytes object
     dtype: str  # a key of CARRIER_DTYPES
@@ -68,6 +80,8 @@ class Leaf:
 
 def is_array(obj: Any) -> bool:
     """True for the objects that travel as payload bytes rather than in the header."""
+    if isinstance(obj, np.str_):  # travels as the str it is
+        return False
     if isinstance(obj, (np.ndarray, np.generic, bytes, bytearray, memoryview)):
         return True
     torch = sys.modules.get("torch")
@@ -204,7 +218,17 @@ def _as_numpy_dtype(name: str, received: np.ndarray) -> np.ndarray:
 def _to_jax(array: np.ndarray) -> Any:
     jax = _optional("jax")
     if jax is None:
-        _warn_once("jax", "received jax arrays but jax is not installed here; they are numpy arrays")
+        _warn_once(
+            "jax", "received jax arrays but jax is not installed here; they are numpy arrays"
+        )
+        return array
+    if jax.dtypes.canonicalize_dtype(array.dtype) != array.dtype:
+        # Without jax_enable_x64, jax would narrow 64-bit data (float64 -> float32) in silence.
+        _warn_once(
+            f"jax-{array.dtype}",
+            f"received jax {array.dtype} data but jax_enable_x64 is off here; "
+            "it is kept as a numpy array so that it is not narrowed",
+        )
         return array
     return jax.numpy.asarray(array)
 

@@ -73,8 +73,11 @@ class CaptureHandle:
             self._pending.release()
 
     def __repr__(self) -> str:
-        state = "pending" if not self.done else (f"stored as {self.id}" if self.id is not None
-                                                 else f"not sent: {self.error}")
+        state = (
+            "pending"
+            if not self.done
+            else (f"stored as {self.id}" if self.id is not None else f"not sent: {self.error}")
+        )
         return f"<CaptureHandle {self.name!r} {state}>"
 
 
@@ -119,8 +122,14 @@ class Client:
     (defaults ``THING_QUEUE_BYTES`` = 1 GiB, ``THING_QUEUE_ITEMS`` = 1024).
     """
 
-    def __init__(self, server_addr: str = "localhost", server_port: int = config.DEFAULT_PORT, *,
-                 max_queue_bytes: int | None = None, max_queue_items: int | None = None):
+    def __init__(
+        self,
+        server_addr: str = "localhost",
+        server_port: int = config.DEFAULT_PORT,
+        *,
+        max_queue_bytes: int | None = None,
+        max_queue_items: int | None = None,
+    ):
         self.address = parse_address(server_addr, server_port)
         self.max_queue_bytes = max_queue_bytes or config.queue_max_bytes()
         self.max_queue_items = max_queue_items or config.queue_max_items()
@@ -137,9 +146,18 @@ class Client:
         self._closed = False
         _live_clients.add(self)
 
-    def catch(self, obj: Any, name: str | None = None, server: str | None = None,
-              every: int = 1, first: int | None = None, *, copy: bool = False,
-              block: bool = False, _frame: Any = None) -> CaptureHandle:
+    def catch(
+        self,
+        obj: Any,
+        name: str | None = None,
+        server: str | None = None,
+        every: int = 1,
+        first: int | None = None,
+        *,
+        copy: bool = False,
+        block: bool = False,
+        _frame: Any = None,
+    ) -> CaptureHandle:
         """Queue ``obj`` (an array, a number, a string, or nested list/tuple/dict of them).
 
         ``name`` defaults to the source text of the argument. ``every=n`` sends
@@ -154,14 +172,17 @@ class Client:
             if name is None:
                 name, site = self._names.name_for(_frame or sys._getframe(1))
             if every != 1 or first is not None:
-                throttle = self._throttles.get(name) or self._throttles.setdefault(name, _Throttle())
+                throttle = self._throttles.get(name) or self._throttles.setdefault(
+                    name, _Throttle()
+                )
                 if not throttle.admit(max(int(every), 1), first):
                     return SKIPPED
             channel = self._channels.get(server) or self._open_channel(server)
             if channel.down:
                 return NO_SERVER
-            pending = _Pending(name, wire.take_apart(obj, copy), site, time.time(),
-                               CaptureHandle(name))
+            pending = _Pending(
+                name, wire.take_apart(obj, copy), site, time.time(), CaptureHandle(name)
+            )
             return channel.enqueue(pending, block)
         except Exception as exc:  # catch() must never raise into a training loop
             self._warn_once(f"{type(exc).__name__}:{name}", "thing.catch(%s) failed: %s", name, exc)
@@ -209,15 +230,20 @@ class Client:
 
     def _admit(self, nbytes: int, block: bool) -> bool:
         """Take queue room for one capture (caller holds ``_lock``)."""
-        while (self._queued_items >= self.max_queue_items
-               or (self._queued_items and self._queued_bytes + nbytes > self.max_queue_bytes)):
+        while self._queued_items >= self.max_queue_items or (
+            self._queued_items and self._queued_bytes + nbytes > self.max_queue_bytes
+        ):
             if not block:
                 self.dropped += 1
                 now = time.monotonic()
                 if now - self._last_drop_log > 5:
                     self._last_drop_log = now
-                    log.warning("send queue full (%d captures, %d bytes): %d captures dropped so far",
-                                self._queued_items, self._queued_bytes, self.dropped)
+                    log.warning(
+                        "send queue full (%d captures, %d bytes): %d captures dropped so far",
+                        self._queued_items,
+                        self._queued_bytes,
+                        self.dropped,
+                    )
                 return False
             self._lock.wait(1.0)
         self._queued_items += 1
@@ -256,8 +282,9 @@ class _Channel:
         self._closed = False
         # Until the first attempt to connect has failed, captures wait for it.
         self.down = False
-        self._thread = threading.Thread(target=self._run, name=f"thing-send-{address[0]}:{address[1]}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"thing-send-{address[0]}:{address[1]}", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -300,8 +327,12 @@ class _Channel:
             with self._lock:
                 self._sock, self.down = sock, False
             log.info("connected to thing server at %s:%d", *self.address)
-            reader = threading.Thread(target=self._read_acks, args=(sock,), daemon=True,
-                                      name=f"thing-acks-{self.address[0]}:{self.address[1]}")
+            reader = threading.Thread(
+                target=self._read_acks,
+                args=(sock,),
+                daemon=True,
+                name=f"thing-acks-{self.address[0]}:{self.address[1]}",
+            )
             reader.start()
             try:
                 self._send_loop(sock)
@@ -366,8 +397,9 @@ class _Channel:
             header = wire.encode_header(seq, pending.name, payload, _meta(pending))
         except Exception as exc:  # a leaf that cannot be read: fail this capture only
             self._finish(seq, None, f"could not read the data: {exc}")
-            self.client._warn_once(f"send:{pending.name}", "thing could not send %r: %s",
-                                   pending.name, exc)
+            self.client._warn_once(
+                f"send:{pending.name}", "thing could not send %r: %s", pending.name, exc
+            )
             return
         prefix = wire.encode_prefix(header, payload.nbytes)
         send_buffers(sock, [prefix, header, *(view for view in views if view.nbytes)])
@@ -423,7 +455,7 @@ def _meta(pending: _Pending) -> dict[str, Any]:
 
 
 def _distributed_rank() -> tuple[int | None, int | None]:
-    """This process's rank and world size: torch.distributed's if initialised, else RANK/WORLD_SIZE."""
+    """Rank and world size: torch.distributed's when initialised, else RANK / WORLD_SIZE."""
     torch = sys.modules.get("torch")
     dist = getattr(torch, "distributed", None)
     if dist is not None and dist.is_available() and dist.is_initialized():
@@ -441,8 +473,12 @@ def _distributed_rank() -> tuple[int | None, int | None]:
 def _identity() -> dict[str, Any]:
     from . import __version__
 
-    return {"hostname": socket.gethostname(), "pid": os.getpid(), "thing": __version__,
-            "python": sys.version.split()[0]}
+    return {
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "thing": __version__,
+        "python": sys.version.split()[0],
+    }
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -32,7 +32,7 @@ def _env_float(name: str, default: float) -> float:
 
 
 def server_address() -> tuple[str, int]:
-    """Where the default client sends: ``THING_SERVER`` (``host`` or ``host:port``), ``THING_PORT``."""
+    """Where the default client sends: ``THING_SERVER`` (``host[:port]``), ``THING_PORT``."""
     from .sockets import parse_address
 
     port = _env_int("THING_PORT", DEFAULT_PORT)
@@ -51,8 +51,9 @@ def serve_port() -> int:
 
 # Client side -----------------------------------------------------------------
 
+
 def queue_max_bytes() -> int:
-    """Bytes of captures a client may hold while they wait to be sent (``THING_QUEUE_BYTES``, 1 GiB)."""
+    """Bytes a client may hold waiting to be sent (``THING_QUEUE_BYTES``, 1 GiB)."""
     return _env_int("THING_QUEUE_BYTES", 1 << 30)
 
 
@@ -67,7 +68,7 @@ def flush_timeout() -> float:
 
 
 def send_timeout() -> float:
-    """Seconds one stalled send may take before the connection is dropped (``THING_SEND_TIMEOUT``, 30)."""
+    """Seconds a stalled send may take before reconnecting (``THING_SEND_TIMEOUT``, 30)."""
     return _env_float("THING_SEND_TIMEOUT", 30.0)
 
 
@@ -77,14 +78,15 @@ def connect_timeout() -> float:
 
 
 def reconnect_interval() -> float:
-    """Longest pause between attempts to reach an absent server (``THING_RECONNECT_INTERVAL``, 1)."""
+    """Longest pause between connection attempts (``THING_RECONNECT_INTERVAL``, 1)."""
     return _env_float("THING_RECONNECT_INTERVAL", 1.0)
 
 
 # Server side -----------------------------------------------------------------
 
+
 def max_capture_bytes() -> int:
-    """Largest capture a server accepts, header and payload (``THING_MAX_CAPTURE_BYTES``, 64 GiB)."""
+    """Largest capture a server accepts (``THING_MAX_CAPTURE_BYTES``, 64 GiB)."""
     return _env_int("THING_MAX_CAPTURE_BYTES", 64 << 30)
 
 

@@ -3,8 +3,9 @@
 ``thing.catch(loss)`` is named ``loss``, ``thing.catch(model.lm_head.weight)`` is named
 ``model.lm_head.weight`` and ``thing.catch(h[3])`` is named ``h[3]``: the name is the source
 text of the first positional argument (or, when there is none, of the ``obj=`` keyword
-argument), with every run of whitespace and newlines collapsed to one space and
-comments dropped. The function called may have any name (``thing.catch``, ``client.catch``,
+argument), with every run of whitespace and newlines collapsed to one space (none at all
+where a line break follows an opening bracket or precedes a closing bracket, ``.`` or ``,``)
+and comments dropped. The function called may have any name (``thing.catch``, ``client.catch``,
 ``catch``...).
 
 On Python 3.11+ the exact call expression is found from the calling instruction's source
@@ -16,15 +17,16 @@ a function whose name ends in ``catch`` on that line.
 Source is read through :mod:`linecache`, which is also where IPython and Jupyter register
 the text of their cells.
 
-Fallback rule: when the source is not available (``python -c``, ``exec`` of a string, a
-deleted file) or cannot be matched to the call, the capture is named ``<function>:<line>``,
-after the qualified name of the calling function and the line of the call, for example
-``<module>:3`` or ``Trainer.step:42``.
+Fallback rule: when the source is not available (``python -c`` before Python 3.13, ``exec``
+of a string, a deleted file) or cannot be matched to the call, the capture is named
+``<function>:<line>``, after the qualified name of the calling function and the line of the
+call, for example ``<module>:3`` or ``Trainer.step:42``.
 
 Each call site gets its own name: when the same name comes from several call sites, the first
 site to catch keeps it and later ones get ``_1``, ``_2``... appended in the order they first
 catch (``loss``, ``loss_1``, ``loss_2``). A call site keeps its name for the life of the
-process, including when its module is reloaded or an unchanged notebook cell is run again.
+process, also when its module is reloaded or an unchanged Jupyter cell is run again (Jupyter
+names a cell's file after its text; terminal IPython numbers each run, making a new site).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ _LAYOUT_TOKENS = frozenset(
         tokenize.ENDMARKER,
     }
 )
+_OPENING = frozenset({"(", "[", "{"})
+_CLOSING_OR_JOINING = frozenset({")", "]", "}", ".", ","})
 # Python 3.12+ tokenizes f-strings into parts; earlier versions have no such tokens.
 _FSTRING_START = getattr(tokenize, "FSTRING_START", None)
 _FSTRING_END = getattr(tokenize, "FSTRING_END", None)
@@ -275,10 +279,17 @@ def _normalise_whitespace(text: str) -> str:
             spans.append([start, end])
         fstring_depth += (token.type == _FSTRING_START) - (token.type == _FSTRING_END)
     parts: list[str] = []
+    previous = ""
     previous_end = None
     for start, end in spans[1:-1]:  # without the added parentheses
-        if previous_end is not None and start != previous_end:
+        token = wrapped[start:end]
+        gap = wrapped[previous_end:start] if previous_end is not None else ""
+        # A line break inside brackets or before ``.method()`` is layout, not spacing:
+        # "torch.cat(\n    [a, b]\n)" reads best as "torch.cat([a, b])".
+        if gap and not (
+            "\n" in gap and (previous in _OPENING or token in _CLOSING_OR_JOINING)
+        ):
             parts.append(" ")
-        parts.append(wrapped[start:end])
-        previous_end = end
+        parts.append(token)
+        previous, previous_end = token, end
     return "".join(parts) or " ".join(text.split())

@@ -32,8 +32,14 @@ class Server:
     Use as a context manager, or call :meth:`start` and :meth:`close`.
     """
 
-    def __init__(self, port: int = config.DEFAULT_PORT, host: str = "127.0.0.1", *,
-                 store: HistoryStore | None = None, limits: wire.Limits | None = None):
+    def __init__(
+        self,
+        port: int = config.DEFAULT_PORT,
+        host: str = "127.0.0.1",
+        *,
+        store: HistoryStore | None = None,
+        limits: wire.Limits | None = None,
+    ):
         self.host = host
         self.port = port
         self.store = store if store is not None else HistoryStore()
@@ -137,12 +143,19 @@ class Server:
                 full = len(self._connections) >= self.max_connections
             if full:
                 self.refused += 1
-                log.warning("refused %s: already serving %d clients (THING_MAX_CONNECTIONS)",
-                            _format_address(address), self.max_connections)
+                log.warning(
+                    "refused %s: already serving %d clients (THING_MAX_CONNECTIONS)",
+                    _format_address(address),
+                    self.max_connections,
+                )
                 sock.close()
                 continue
-            self._spawn(self._serve_connection, f"thing-conn-{_format_address(address)}",
-                        sock, _format_address(address))
+            self._spawn(
+                self._serve_connection,
+                f"thing-conn-{_format_address(address)}",
+                sock,
+                _format_address(address),
+            )
 
     def _serve_connection(self, sock: socket.socket, address: str) -> None:
         sender = Sender(address)
@@ -177,7 +190,9 @@ class Server:
             _, length = wire.decode_handshake_prefix(prefix)
         except HandshakeError as exc:
             if prefix[:4] == wire.MAGIC:  # a thing peer of another version: tell it why
-                send_buffers(sock, [wire.encode_handshake({"error": str(exc)}, wire.HANDSHAKE_REFUSED)])
+                send_buffers(
+                    sock, [wire.encode_handshake({"error": str(exc)}, wire.HANDSHAKE_REFUSED)]
+                )
             raise
         info = wire.decode_handshake_info(_recv_exact(sock, length))
         send_buffers(sock, [wire.encode_handshake({"server": "thing", "pid": os.getpid()})])
@@ -218,9 +233,15 @@ class Server:
             trailer = bytearray(wire.FRAME_TRAILER.size)
             recv_buffers(sock, [array for array in arrays if array.nbytes] + [trailer])
             modified = wire.decode_trailer(bytes(trailer))
-            value = wire.build_value(header.tree, [finish(s, a) for s, a in zip(header.leaves, arrays)])
+            value = wire.build_value(
+                header.tree, [finish(s, a) for s, a in zip(header.leaves, arrays)]
+            )
             capture = self.store.add(
-                header.name, value, header.leaves, payload_len, _sender_of(header.meta, sender),
+                header.name,
+                value,
+                header.leaves,
+                payload_len,
+                _sender_of(header.meta, sender),
                 caught_at=_float_or(header.meta.get("caught_at")),
                 call_site=_str_or(header.meta.get("site")),
                 modified_during_send=modified,
@@ -238,8 +259,13 @@ def _sender_of(meta: dict[str, Any], connection: Sender) -> Sender:
     rank, world_size = meta.get("rank"), meta.get("world_size")
     if rank is None and world_size is None:
         return connection
-    return Sender(connection.address, connection.hostname, connection.pid,
-                  _int_or(rank, None), _int_or(world_size, None))
+    return Sender(
+        connection.address,
+        connection.hostname,
+        connection.pid,
+        _int_or(rank, None),
+        _int_or(world_size, None),
+    )
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:

@@ -2,21 +2,32 @@
 
 Memory is bounded: the server reserves a capture's bytes *before* it allocates
 them, evicting the oldest versions to make room, so a burst of captures can
-fill the cap but never push the REPL process past it.
+fill the cap but never push the REPL process past it. A capture that could
+never fit is refused before anything is allocated; the REPL never sees it.
+
+Values are stored exactly as received: the arrays the server received into
+are the arrays :meth:`HistoryStore.get` hands out, never copies.
 """
 
 from __future__ import annotations
 
 import difflib
+import numbers
 import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from . import config
 from .arrays import LeafSpec
 from .errors import LimitExceeded
+
+# What one capture's record costs beyond its array bytes: the Capture object, its
+# Sender, its LeafSpecs and dictionary entries. Charged so that a flood of tiny
+# captures (scalars travel in the header, with no payload) is bounded too.
+RECORD_BYTES = 512
 
 
 @dataclass(frozen=True)
@@ -50,85 +61,152 @@ class Capture:
         return self.sender.rank
 
 
+@dataclass(frozen=True)
+class StoreOverview:
+    """A consistent snapshot of the store, taken under its lock (what ``summary()`` shows).
+
+    ``names`` pairs the newest capture of every name with how many versions are
+    kept, most recently updated name first.
+    """
+
+    names: list[tuple[Capture, int]]
+    name_count: int  # names with a kept capture, shown or not
+    captures: int  # kept now, named and unnamed
+    unnamed: int
+    received: int  # stored since the store was created, including those evicted or cleared since
+    evicted: int  # dropped to make room (or by max_versions), not by clear()
+    rejected: int  # refused because they could never fit
+    modified_during_send: int  # kept captures whose sender saw them change while sending
+    held_bytes: int
+    max_bytes: int
+    max_versions: int | None
+
+
 class HistoryStore:
     """Thread-safe, byte-capped history of captures.
 
-    ``max_bytes`` caps the array bytes held (default ``THING_STORE_BYTES``, half
-    the machine's RAM); ``max_versions`` optionally caps the versions kept per
-    name. The oldest captures are evicted first.
+    ``max_bytes`` caps the bytes held: every array's bytes plus
+    :data:`RECORD_BYTES` and the size of header-borne values (numbers, strings)
+    per capture. Default ``THING_STORE_BYTES``, else half the machine's
+    physical RAM. ``max_versions`` optionally caps the versions kept per name
+    (default ``THING_MAX_VERSIONS``, else unlimited). The oldest captures are
+    evicted first; :attr:`evicted` counts them.
     """
 
     def __init__(self, max_bytes: int | None = None, max_versions: int | None = None):
         self.max_bytes = config.store_max_bytes() if max_bytes is None else max_bytes
         self.max_versions = config.store_max_versions() if max_versions is None else max_versions
+        if self.max_versions is not None and self.max_versions < 1:
+            raise ValueError("max_versions must be at least 1 (or None for unlimited)")
         self._changed = threading.Condition()
-        self._by_id: OrderedDict[int, Capture] = OrderedDict()
-        self._by_name: dict[str, deque[Capture]] = {}
+        self._by_id: OrderedDict[int, Capture] = OrderedDict()  # oldest first
+        self._by_name: dict[str, deque[Capture]] = {}  # each oldest first
+        self._updated: OrderedDict[str, None] = OrderedDict()  # names, least recently updated first
+        self._charged: dict[int, int] = {}  # id -> bytes counted in _held
         self._next_id = 0
         self._held = 0  # bytes of stored captures plus reservations
+        self._reserved = 0
+        self._unnamed = 0
+        self._flagged = 0
         self.evicted = 0
         self.rejected = 0
 
     # -- receiving ---------------------------------------------------------------
 
     def reserve(self, nbytes: int) -> None:
-        """Make room for ``nbytes`` about to be received, evicting the oldest captures."""
+        """Make room for ``nbytes`` about to be received, evicting the oldest captures.
+
+        Raises :class:`LimitExceeded`, evicting nothing, if they could never fit.
+        """
         with self._changed:
-            if nbytes > self.max_bytes:
+            if nbytes + RECORD_BYTES > self.max_bytes:
                 self.rejected += 1
                 raise LimitExceeded(
                     f"capture of {nbytes} bytes is larger than the store's cap of {self.max_bytes}"
                 )
-            while self._held + nbytes > self.max_bytes and self._by_id:
-                self._evict(next(iter(self._by_id.values())))
-            if self._held + nbytes > self.max_bytes:
+            if self._reserved + nbytes + RECORD_BYTES > self.max_bytes:
                 self.rejected += 1
                 raise LimitExceeded("the store is full of captures still being received")
+            while self._held + nbytes > self.max_bytes and self._by_id:
+                self._drop(next(iter(self._by_id.values())))
+                self.evicted += 1
             self._held += nbytes
+            self._reserved += nbytes
 
     def release(self, nbytes: int) -> None:
         """Give back a reservation whose capture never arrived."""
         with self._changed:
             self._held -= nbytes
+            self._reserved -= nbytes
 
     def add(self, name: str | None, value: Any, leaves: tuple[LeafSpec, ...], nbytes: int,
             sender: Sender, **details: Any) -> Capture:
         """Store a received capture whose ``nbytes`` were reserved; return it with its new id."""
+        extra = RECORD_BYTES + _header_bytes(value)  # outside the lock: it walks the value
         with self._changed:
             capture = Capture(self._next_id, name, value, leaves, nbytes, sender, **details)
             self._next_id += 1
+            self._reserved -= nbytes
+            self._held += extra
+            self._charged[capture.id] = nbytes + extra
             self._by_id[capture.id] = capture
-            if name is not None:
+            if capture.modified_during_send:
+                self._flagged += 1
+            if name is None:
+                self._unnamed += 1
+            else:
                 history = self._by_name.setdefault(name, deque())
                 history.append(capture)
+                self._updated.pop(name, None)
+                self._updated[name] = None
                 if self.max_versions is not None and len(history) > self.max_versions:
-                    self._evict(history[0])
+                    self._drop(history[0])
+                    self.evicted += 1
+            # The record's own cost was not reserved: make room for it after the fact.
+            while self._held > self.max_bytes and len(self._by_id) > 1:
+                oldest = next(iter(self._by_id.values()))
+                self._drop(oldest)
+                self.evicted += 1
             self._changed.notify_all()
             return capture
 
-    def _evict(self, capture: Capture) -> None:
+    def _drop(self, capture: Capture) -> None:
+        """Forget one capture (the caller holds the lock and counts it as evicted or cleared)."""
         del self._by_id[capture.id]
-        self._held -= capture.nbytes
-        self.evicted += 1
-        if capture.name is not None:
-            history = self._by_name[capture.name]
+        self._held -= self._charged.pop(capture.id)
+        if capture.modified_during_send:
+            self._flagged -= 1
+        if capture.name is None:
+            self._unnamed -= 1
+            return
+        history = self._by_name[capture.name]
+        if history[0] is capture:  # eviction takes the oldest: O(1)
+            history.popleft()
+        else:
             history.remove(capture)
-            if not history:
-                del self._by_name[capture.name]
+        if not history:
+            del self._by_name[capture.name]
+            del self._updated[capture.name]
 
     # -- querying ----------------------------------------------------------------
 
     def get(self, key: str | int, index: int = 0, rank: int | None = None) -> Capture:
-        """The capture with id ``key``, or the ``index``-th newest of name ``key``."""
+        """The capture with integer id ``key``, or the ``index``-th newest of name ``key``.
+
+        ``index=0`` is the newest, ``1`` the one before; negative indices count
+        from the oldest (``-1`` is the oldest kept).
+        """
         with self._changed:
-            if isinstance(key, int) and not isinstance(key, bool):
-                if key not in self._by_id:
+            if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+                if int(key) not in self._by_id:
                     raise KeyError(f"no capture with id {key} (evicted, cleared or never received)")
-                return self._by_id[key]
+                return self._by_id[int(key)]
             history = self._history(key, rank)
-            if not 0 <= index < len(history):
-                raise IndexError(f"{key!r} has {len(history)} versions; index {index} is out of range")
-            return history[-1 - index]
+            if not -len(history) <= index < len(history):
+                raise IndexError(
+                    f"{key!r} has {len(history)} kept versions; index {index} is out of range"
+                )
+            return history[-1 - index] if index >= 0 else history[-index - 1]
 
     def get_all(self, name: str, rank: int | None = None) -> list[Capture]:
         """Every kept capture of ``name``, oldest to newest."""
@@ -136,17 +214,30 @@ class HistoryStore:
             return self._history(name, rank)
 
     def _history(self, name: str, rank: int | None) -> list[Capture]:
+        if not isinstance(name, str):
+            raise TypeError(f"a capture is looked up by name (str) or id (int), not {name!r}")
         if name not in self._by_name:
-            close = difflib.get_close_matches(str(name), list(self._by_name), n=5, cutoff=0.5)
-            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-            known = "" if close else f"; known names: {', '.join(sorted(self._by_name)[:20]) or 'none yet'}"
-            raise KeyError(f"no capture named {name!r}{hint}{known}")
+            raise KeyError(self._unknown(name))
         history = list(self._by_name[name])
         if rank is not None:
             history = [capture for capture in history if capture.rank == rank]
             if not history:
-                raise KeyError(f"no capture named {name!r} from rank {rank}")
+                ranks = sorted({c.rank for c in self._by_name[name]}, key=lambda r: (r is None, r))
+                raise KeyError(f"no capture named {name!r} from rank {rank}; it came from "
+                               f"rank(s) {', '.join(map(str, ranks))}")
         return history
+
+    def _unknown(self, name: str) -> str:
+        known = list(self._by_name)
+        close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
+        # A name typed without its prefix or suffix ("weight" for "model.lm_head.weight").
+        close += [k for k in known if name and name in k and k not in close][: 5 - len(close)]
+        if close:
+            return f"no capture named {name!r}; did you mean {', '.join(map(repr, close))}?"
+        if not known:
+            return f"no capture named {name!r}: nothing has been received yet"
+        shown = ", ".join(map(repr, known[:20])) + (", ..." if len(known) > 20 else "")
+        return f"no capture named {name!r}; known names: {shown}"
 
     def names(self) -> list[str]:
         """Names with at least one kept capture, in order of their first arrival."""
@@ -163,16 +254,46 @@ class HistoryStore:
     def recent(self, count: int) -> list[Capture]:
         """The ``count`` most recent captures, newest first."""
         with self._changed:
-            ids = list(self._by_id)[-count:] if count > 0 else []
-            return [self._by_id[i] for i in reversed(ids)]
+            return list(islice(reversed(self._by_id.values()), max(count, 0)))
 
     def versions(self, name: str) -> int:
         """How many versions of ``name`` are kept."""
         with self._changed:
             return len(self._by_name.get(name, ()))
 
+    def overview(self, max_names: int | None = None) -> StoreOverview:
+        """For summary(): the ``max_names`` most recently updated names, and counts."""
+        with self._changed:
+            recent = reversed(self._updated)
+            if max_names is not None:
+                recent = islice(recent, max(max_names, 0))
+            names = [(self._by_name[name][-1], len(self._by_name[name])) for name in recent]
+            return StoreOverview(
+                names=names, name_count=len(self._by_name), captures=len(self._by_id),
+                unnamed=self._unnamed,
+                received=self._next_id, evicted=self.evicted, rejected=self.rejected,
+                modified_during_send=self._flagged, held_bytes=self._held,
+                max_bytes=self.max_bytes, max_versions=self.max_versions,
+            )
+
+    @property
+    def received(self) -> int:
+        """Captures stored since the store was created (also the next capture's id)."""
+        return self._next_id
+
+    def wait_for_arrival(self, received: int, timeout: float) -> bool:
+        """Block until more than ``received`` captures were stored in all, or ``timeout`` passed."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self._next_id <= received:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._changed.wait(remaining)
+            return True
+
     def wait(self, name: str, timeout: float | None = None, after: int | None = None) -> Capture:
-        """Block until a capture of ``name`` newer than id ``after`` arrives (default: newer than now)."""
+        """Block until a capture of ``name`` newer than id ``after`` (default: now) arrives."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             if after is None:
@@ -184,20 +305,20 @@ class HistoryStore:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"no new capture of {name!r} within {timeout} s")
-                self._changed.wait(remaining if remaining is None else min(remaining, 1.0))
+                # Wake at least once a second so Ctrl+C is handled promptly in a REPL.
+                self._changed.wait(1.0 if remaining is None else min(remaining, 1.0))
 
     def clear(self, name: str | None = None) -> int:
         """Forget one name's history, or everything; return how many captures were dropped."""
         with self._changed:
             if name is None:
                 dropped = list(self._by_id.values())
-            else:
-                if name not in self._by_name:
-                    raise KeyError(f"no capture named {name!r}")
+            elif name in self._by_name:
                 dropped = list(self._by_name[name])
+            else:
+                raise KeyError(self._unknown(name))
             for capture in dropped:
-                self._evict(capture)
-                self.evicted -= 1  # cleared on purpose, not evicted for room
+                self._drop(capture)
             return len(dropped)
 
     @property
@@ -207,3 +328,25 @@ class HistoryStore:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+def _header_bytes(value: Any) -> int:
+    """Rough bytes held by the parts of a value that travelled in the header, not as arrays."""
+    total = 0
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            total += 50 + len(node)
+        elif isinstance(node, dict):
+            total += 64 + 100 * len(node)
+            for key, item in node.items():
+                total += 50 + len(key)
+                stack.append(item)
+        elif isinstance(node, (list, tuple)):
+            total += 56 + 8 * len(node)
+            stack.extend(node)
+        elif isinstance(node, (int, float)) or node is None:
+            total += 32
+        # arrays and bytes: their bytes were reserved as payload
+    return total

@@ -68,7 +68,7 @@ def encode_handshake(info: dict[str, Any], status: int = HANDSHAKE_OK) -> bytes:
 
 def decode_handshake_prefix(prefix: bytes) -> tuple[int, int]:
     """Check the fixed part of a handshake; return ``(status, json_length)``."""
-    magic, version, status, length = HANDSHAKE.unpack(prefix)
+    magic, version, status, length = _unpack(HANDSHAKE, prefix, "handshake", HandshakeError)
     if magic != MAGIC:
         raise HandshakeError(f"peer is not a thing peer (it sent {prefix[:8]!r})")
     if version != VERSION:
@@ -83,7 +83,7 @@ def decode_handshake_prefix(prefix: bytes) -> tuple[int, int]:
 
 def decode_handshake_info(body: bytes) -> dict[str, Any]:
     """The JSON object of a handshake; its values are informational and never executed."""
-    info = _load_json(body, "handshake")
+    info = _load_json(body, "handshake", HandshakeError)
     if not isinstance(info, dict):
         raise HandshakeError("handshake info is not a JSON object")
     return info
@@ -155,7 +155,9 @@ def encode_prefix(header: bytes, payload_len: int) -> bytes:
 
 def encode_trailer(modified_during_send: bool) -> bytes:
     """The fixed-size part that closes a capture frame."""
-    return FRAME_TRAILER.pack(TRAILER_TAG, FLAG_MODIFIED_DURING_SEND if modified_during_send else 0, 0)
+    return FRAME_TRAILER.pack(
+        TRAILER_TAG, FLAG_MODIFIED_DURING_SEND if modified_during_send else 0, 0
+    )
 
 
 # -- captures: receiving side ---------------------------------------------------
@@ -174,7 +176,7 @@ class FrameHeader:
 
 def decode_prefix(prefix: bytes, limits: Limits) -> tuple[int, int]:
     """Check a frame prefix; return ``(header_length, payload_length)``."""
-    tag, kind, header_len, payload_len = FRAME_PREFIX.unpack(prefix)
+    tag, kind, header_len, payload_len = _unpack(FRAME_PREFIX, prefix, "frame prefix")
     if tag != FRAME_TAG or kind != KIND_CAPTURE:
         raise ProtocolError(f"bad frame prefix {prefix!r}")
     if header_len > limits.max_header_bytes:
@@ -188,7 +190,7 @@ def decode_prefix(prefix: bytes, limits: Limits) -> tuple[int, int]:
 
 def decode_trailer(trailer: bytes) -> bool:
     """Check a frame trailer; return whether the sender saw the data change while sending."""
-    tag, flags, _ = FRAME_TRAILER.unpack(trailer)
+    tag, flags, _ = _unpack(FRAME_TRAILER, trailer, "frame trailer")
     if tag != TRAILER_TAG or flags & ~FLAG_MODIFIED_DURING_SEND:
         raise ProtocolError(f"bad frame trailer {trailer!r}")
     return bool(flags & FLAG_MODIFIED_DURING_SEND)
@@ -197,7 +199,13 @@ def decode_trailer(trailer: bytes) -> bool:
 def decode_header(raw: bytes, payload_len: int, limits: Limits) -> FrameHeader:
     """Validate a capture header completely; raise :class:`ProtocolError` on any flaw."""
     document = _load_json(raw, "header")
-    if not isinstance(document, dict) or set(document) != {"seq", "name", "value", "leaves", "meta"}:
+    if not isinstance(document, dict) or set(document) != {
+        "seq",
+        "name",
+        "value",
+        "leaves",
+        "meta",
+    }:
         raise ProtocolError("header is not a capture header")
     seq = document["seq"]
     if not _is_int(seq) or not 0 <= seq < 1 << 64:
@@ -227,7 +235,8 @@ def _decode_leaves(raw: Any, limits: Limits) -> tuple[LeafSpec, ...]:
         if not (isinstance(entry, list) and len(entry) == 4):
             raise ProtocolError("leaf entry is not [framework, dtype, shape, scalar]")
         framework, dtype, shape, scalar = entry
-        if framework not in (*FRAMEWORKS, "bytes") or dtype not in CARRIER_DTYPES:
+        known = isinstance(framework, str) and isinstance(dtype, str)
+        if not known or framework not in (*FRAMEWORKS, "bytes") or dtype not in CARRIER_DTYPES:
             raise ProtocolError(f"unknown framework or dtype {framework!r}, {dtype!r}")
         if framework == "bytes" and dtype != "uint8":
             raise ProtocolError("bytes leaves must be uint8")
@@ -251,7 +260,7 @@ def _check_tree(node: Any, used: list[bool], depth: int) -> None:
         return
     if not isinstance(node, dict) or len(node) != 1:
         raise ProtocolError("value node is not a tagged container")
-    (tag, body), = node.items()
+    ((tag, body),) = node.items()
     if tag == "leaf":
         if not _is_int(body) or not 0 <= body < len(used) or used[body]:
             raise ProtocolError("value refers to a missing or repeated leaf")
@@ -276,7 +285,7 @@ def build_value(tree: Any, leaves: list[Any]) -> Any:
     """Rebuild the sent object from a validated tree and its received leaves."""
     if not isinstance(tree, dict):
         return tree
-    (tag, body), = tree.items()
+    ((tag, body),) = tree.items()
     if tag == "leaf":
         return leaves[body]
     if tag == "list":
@@ -295,7 +304,7 @@ def encode_ack(seq: int, capture_id: int, error: str | None = None) -> bytes:
 
 def decode_ack(prefix: bytes) -> tuple[int, int, int, int]:
     """Check an acknowledgement; return ``(status, message_length, seq, capture_id)``."""
-    tag, status, length, seq, capture_id = ACK.unpack(prefix)
+    tag, status, length, seq, capture_id = _unpack(ACK, prefix, "acknowledgement")
     if tag != ACK_TAG or status not in (ACK_STORED, ACK_REJECTED) or length > MAX_HANDSHAKE_JSON:
         raise ProtocolError(f"bad acknowledgement {prefix!r}")
     return status, length, seq, capture_id
@@ -305,8 +314,15 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _load_json(raw: bytes, what: str) -> Any:
+def _unpack(layout: struct.Struct, data: bytes, what: str,
+            error: type[ProtocolError] = ProtocolError) -> tuple[Any, ...]:
+    if len(data) != layout.size:
+        raise error(f"{what} of {len(data)} bytes, expected {layout.size}")
+    return layout.unpack(data)
+
+
+def _load_json(raw: bytes, what: str, error: type[ProtocolError] = ProtocolError) -> Any:
     try:
         return json.loads(bytes(raw).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ProtocolError(f"{what} is not valid UTF-8 JSON: {exc}") from None
+        raise error(f"{what} is not valid UTF-8 JSON: {exc}") from None

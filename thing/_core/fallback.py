@@ -15,10 +15,19 @@ from collections.abc import Sequence
 _IOV_MAX = 1024
 
 
-def _transfer(sock: socket.socket, buffers: Sequence, sending: bool) -> int:
-    views = [memoryview(b).cast("B") for b in buffers]
-    if not sending and any(v.readonly for v in views):
+def _byte_view(buffer: object, writable: bool) -> memoryview:
+    """A flat byte view of ``buffer``, refused the way the compiled core refuses it."""
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise BufferError("buffer is not C-contiguous")
+    if writable and view.readonly:
         raise BufferError("recv_buffers needs writable buffers")
+    # memoryview cannot cast an empty N-d view; an empty buffer moves no bytes anyway.
+    return view.cast("B") if view.nbytes else memoryview(b"")
+
+
+def _transfer(sock: socket.socket, buffers: Sequence, sending: bool) -> int:
+    views = [_byte_view(b, writable=not sending) for b in buffers]
     total = sum(v.nbytes for v in views)
     done = 0
     pending = [v for v in views if v.nbytes]

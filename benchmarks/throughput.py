@@ -1,0 +1,401 @@
+"""Throughput of thing against a raw TCP socket and pickle, client process to server process.
+
+    python benchmarks/throughput.py            # 1 MiB, 16 MiB, 256 MiB (about 1-2 minutes)
+    python benchmarks/throughput.py --quick    # fewer bytes per trial, fewer trials
+    python benchmarks/throughput.py --sizes 4M,64M --trials 5
+
+Every method moves float32 arrays over TCP loopback from one process into a
+usable array in another, and is timed from its first send to the receiver's
+acknowledgement of the last array:
+
+- ``raw socket``: ``sendall(memoryview)`` / ``recv_into`` a buffer preallocated
+  once per size: the floor that any framing on top of TCP is measured against.
+- ``raw, fresh buffer``: the same, but ``np.empty`` a new buffer per message,
+  as a receiver that hands out each array must (shows the page-fault cost).
+- ``pickle p5``: ``pickle.dumps(array, protocol=5)`` over
+  ``multiprocessing.connection`` (``send_bytes`` / ``recv_bytes``, which is
+  what ``Connection.send`` does, but with protocol 5 rather than Python 3.11's
+  default 4), ``pickle.loads`` on the receiving side.
+- ``thing``: ``client.catch(array, name=..., block=True)`` N times, then
+  ``handle.wait()`` on the last; a ``thing.Server(port=0)`` in the other
+  process acknowledges each array once it is received and stored, so the
+  receive into the server's array is inside the timing. Once with the compiled
+  core, once with the pure-Python twin (``THING_PUREPYTHON=1`` on both sides).
+
+Each (method, size) repeats enough arrays to move ``--trial-bytes`` per trial;
+trials of all methods are interleaved (round robin, rotating order) so that
+drifting load on a shared machine hits them alike. The table shows the best
+trial (the least disturbed; used for the ratios) and the median trial. After
+the run every server checks that the last array of each size it holds is
+bit-exact what was sent and that none went missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import socket
+import struct
+import sys
+import threading
+import time
+from multiprocessing.connection import Client as MpClient
+from multiprocessing.connection import Listener as MpListener
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+from _common import Child, bit_equal, child_env, pattern, start_thing_server  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+MiB = 1 << 20
+RUN = struct.Struct("<QQ")  # array bytes, arrays in this run
+TIMEOUT = 120.0
+
+METHODS = {
+    # key: (label, extra row, environment of both processes)
+    "raw": ("raw socket", False, {}),
+    "raw-fresh": ("raw, fresh buffer", True, {}),
+    "pickle": ("pickle p5 (mp.connection)", False, {}),
+    "thing": ("thing (compiled core)", False, {"THING_PUREPYTHON": "0"}),
+    "thing-py": ("thing (pure-Python twin)", True, {"THING_PUREPYTHON": "1"}),
+}
+TARGET_RAW = 0.9
+TARGET_PICKLE = 2.0
+
+
+# -- servers (child processes) ------------------------------------------------------
+
+class Tally:
+    """What a baseline server received: arrays per size and the last array of each size."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self.last: dict[int, np.ndarray] = {}
+        self.error: str | None = None
+
+    def answer_commands(self) -> None:
+        for line in sys.stdin:
+            if line.strip() == "verify":
+                print(json.dumps(self.verify()), flush=True)
+
+    def verify(self) -> dict:
+        result = {}
+        for nbytes, count in sorted(self.counts.items()):
+            ok = bit_equal(self.last[nbytes], pattern(nbytes // 4))
+            result[str(nbytes)] = {"received": count, "ok": ok}
+        if self.error:
+            result["error"] = self.error
+        return result
+
+
+def serve_raw(fresh: bool) -> None:
+    tally = Tally()
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(f"PORT {listener.getsockname()[1]}", flush=True)
+
+    def serve() -> None:
+        try:
+            sock, _ = listener.accept()
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            head = bytearray(RUN.size)
+            while _recv_exact(sock, memoryview(head)):
+                nbytes, count = RUN.unpack(head)
+                buffer = tally.last.get(nbytes)
+                for _ in range(count):
+                    if buffer is None or fresh:
+                        buffer = np.empty(nbytes // 4, np.float32)
+                    if not _recv_exact(sock, memoryview(buffer).cast("B")):
+                        raise ConnectionError("client closed mid-run")
+                tally.last[nbytes] = buffer
+                tally.counts[nbytes] = tally.counts.get(nbytes, 0) + count
+                sock.sendall(b"k")
+        except Exception as exc:  # reported by verify
+            tally.error = repr(exc)
+
+    threading.Thread(target=serve, daemon=True).start()
+    tally.answer_commands()
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; False on a clean EOF before the first byte."""
+    got, size = 0, len(view)
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if got == 0:
+                return False
+            raise ConnectionError("short read")
+        got += n
+    return True
+
+
+def serve_pickle() -> None:
+    tally = Tally()
+    listener = MpListener(("127.0.0.1", 0))
+    print(f"PORT {listener.address[1]}", flush=True)
+
+    def serve() -> None:
+        try:
+            conn = listener.accept()
+            while True:
+                try:
+                    nbytes, count = RUN.unpack(conn.recv_bytes())
+                except EOFError:
+                    return
+                for _ in range(count):
+                    array = pickle.loads(conn.recv_bytes())
+                    if not isinstance(array, np.ndarray) or array.nbytes != nbytes:
+                        raise ValueError(f"received {type(array)} of {array.nbytes} bytes")
+                tally.last[nbytes] = array
+                tally.counts[nbytes] = tally.counts.get(nbytes, 0) + count
+                conn.send_bytes(b"k")
+        except Exception as exc:  # reported by verify
+            tally.error = repr(exc)
+
+    threading.Thread(target=serve, daemon=True).start()
+    tally.answer_commands()
+
+
+# -- clients (child processes): "run <nbytes> <count>" -> {"seconds": s} --------------
+
+def client_loop(run_once) -> None:
+    arrays: dict[int, np.ndarray] = {}
+    for line in sys.stdin:
+        _, nbytes, count = line.split()
+        nbytes, count = int(nbytes), int(count)
+        if nbytes not in arrays:
+            arrays[nbytes] = pattern(nbytes // 4)
+        print(json.dumps(run_once(arrays[nbytes], count)), flush=True)
+
+
+def client_raw(port: int) -> None:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ack = bytearray(1)
+
+    def run_once(array: np.ndarray, count: int) -> dict:
+        view = memoryview(array).cast("B")
+        start = time.perf_counter()
+        sock.sendall(RUN.pack(array.nbytes, count))
+        for _ in range(count):
+            sock.sendall(view)
+        if not _recv_exact(sock, memoryview(ack)):
+            raise ConnectionError("server closed")
+        return {"seconds": time.perf_counter() - start}
+
+    client_loop(run_once)
+
+
+def client_pickle(port: int) -> None:
+    conn = MpClient(("127.0.0.1", port))
+
+    def run_once(array: np.ndarray, count: int) -> dict:
+        start = time.perf_counter()
+        conn.send_bytes(RUN.pack(array.nbytes, count))
+        for _ in range(count):
+            conn.send_bytes(pickle.dumps(array, protocol=5))
+        if not conn.poll(TIMEOUT) or conn.recv_bytes() != b"k":
+            raise ConnectionError("no acknowledgement")
+        return {"seconds": time.perf_counter() - start}
+
+    client_loop(run_once)
+
+
+def client_thing(port: int) -> None:
+    import thing
+
+    client = thing.Client("127.0.0.1", port)
+    if not client.catch(np.zeros(4, np.float32), name="warmup").wait(TIMEOUT):
+        raise SystemExit("thing client: the warm-up capture was not stored")
+
+    def run_once(array: np.ndarray, count: int) -> dict:
+        name = f"x{array.nbytes}"
+        start = time.perf_counter()
+        handles = [client.catch(array, name=name, block=True) for _ in range(count)]
+        stored = handles[-1].wait(TIMEOUT)
+        seconds = time.perf_counter() - start
+        lost = sum(not handle.wait(TIMEOUT) for handle in handles)
+        return {"seconds": seconds, "lost": lost + (not stored), "backend": thing.BACKEND}
+
+    client_loop(run_once)
+
+
+# -- the parent ---------------------------------------------------------------------
+
+class Method:
+    """One method's server and client child processes."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self.label, self.extra, env = METHODS[key]
+        here = str(Path(__file__).resolve())
+        if key.startswith("thing"):
+            self.server, port = start_thing_server(**env)
+        else:
+            role = {"raw": "server-raw", "raw-fresh": "server-raw-fresh",
+                    "pickle": "server-pickle"}[key]
+            self.server = Child([here, "--role", role], child_env(**env))
+            port = int(self.server.readline().split()[1])
+        role = "client-" + ("thing" if key.startswith("thing") else key.replace("-fresh", ""))
+        self.client = Child([here, "--role", role, "--port", str(port)], child_env(**env))
+        self.sent: dict[int, int] = {}
+        self.seconds: dict[int, list[float]] = {}
+        self.lost = 0
+        self.backend: str | None = None
+
+    def run(self, nbytes: int, count: int, timed: bool = True) -> None:
+        answer = self.client.ask(f"run {nbytes} {count}")
+        self.sent[nbytes] = self.sent.get(nbytes, 0) + count
+        self.lost += answer.get("lost", 0)
+        self.backend = answer.get("backend", self.backend)
+        if timed:
+            self.seconds.setdefault(nbytes, []).append(answer["seconds"])
+
+    def rate(self, nbytes: int, count: int, best: bool = True) -> float:
+        times = self.seconds[nbytes]
+        seconds = min(times) if best else _common.median(times)
+        return nbytes * count / seconds / 1e6
+
+    def verify(self, sizes: list[int]) -> list[str]:
+        """Problems found by the server; empty when every array arrived bit-exact."""
+        problems = []
+        if self.lost:
+            problems.append(f"{self.lost} captures not acknowledged")
+        if self.key.startswith("thing"):
+            received = self.server.ask("count")["received"]
+            if received != sum(self.sent.values()) + 1:  # + the warm-up capture
+                problems.append(f"server received {received}, sent {sum(self.sent.values()) + 1}")
+            for nbytes in sizes:
+                answer = self.server.ask(f"verify x{nbytes} {nbytes // 4}")
+                if not answer["ok"]:
+                    problems.append(f"{nbytes} B: {answer}")
+            return problems
+        answer = self.server.ask("verify")
+        if "error" in answer:
+            problems.append(answer.pop("error"))
+        for nbytes in sizes:
+            got = answer.get(str(nbytes), {"received": 0, "ok": False})
+            if got["received"] != self.sent.get(nbytes) or not got["ok"]:
+                problems.append(f"{nbytes} B: sent {self.sent.get(nbytes)}, server says {got}")
+        return problems
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.close()
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in "KMG" else text
+    nbytes = int(float(number) * scale)
+    if nbytes <= 0 or nbytes % 4:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of 4 bytes")
+    return nbytes
+
+
+def human(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="1M,16M,256M",
+                        help="comma-separated array sizes in bytes, K/M/G suffixes (default 1M,16M,256M)")
+    parser.add_argument("--quick", action="store_true",
+                        help="256 MiB per trial and 2 trials instead of 1 GiB and 3 (a smoke run)")
+    parser.add_argument("--trials", type=int, help="timed trials per method and size")
+    parser.add_argument("--trial-bytes", type=parse_size, help="bytes moved per trial (default 1G)")
+    parser.add_argument("--no-extra", action="store_true",
+                        help="skip the extra rows (fresh-buffer raw socket, pure-Python thing)")
+    parser.add_argument("--role", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    roles = {"server-raw": lambda: serve_raw(False), "server-raw-fresh": lambda: serve_raw(True),
+             "server-pickle": serve_pickle, "client-raw": lambda: client_raw(args.port),
+             "client-pickle": lambda: client_pickle(args.port),
+             "client-thing": lambda: client_thing(args.port)}
+    if args.role:
+        roles[args.role]()
+        return 0
+
+    sizes = [parse_size(size) for size in args.sizes.split(",")]
+    trials = args.trials or (2 if args.quick else 3)
+    trial_bytes = args.trial_bytes or (256 * MiB if args.quick else 1 << 30)
+    keys = [key for key, (_, extra, _) in METHODS.items() if not (extra and args.no_extra)]
+
+    _common.print_machine("thing throughput benchmark: client process -> server process, "
+                          "TCP loopback")
+    print(f"{trials} timed trials per method and size, each moving about {human(trial_bytes)} "
+          "(after one untimed warm-up run); trials interleaved across methods.")
+    print("MB/s = 10^6 bytes per second, from the first send to the acknowledgement of the last "
+          "array.\n")
+
+    started = time.perf_counter()
+    methods = [Method(key) for key in keys]
+    try:
+        counts = {nbytes: max(1, trial_bytes // nbytes) for nbytes in sizes}
+        for nbytes in sizes:
+            for method in methods:  # warm-up: connections, allocator, page cache of the pattern
+                method.run(nbytes, min(counts[nbytes], 4), timed=False)
+            for trial in range(trials):
+                shift = trial % len(methods)
+                for method in methods[shift:] + methods[:shift]:
+                    method.run(nbytes, counts[nbytes])
+        problems = {method.label: method.verify(sizes) for method in methods}
+    finally:
+        for method in methods:
+            method.close()
+    elapsed = time.perf_counter() - started
+
+    by_key = {method.key: method for method in methods}
+    width = max(len(method.label) for method in methods)
+    print(f"{'size':>8}  {'method':<{width}}  {'best MB/s':>10}  {'median MB/s':>11}  "
+          f"{'arrays/trial':>12}")
+    for nbytes in sizes:
+        for index, method in enumerate(methods):
+            size_text = human(nbytes) if index == 0 else ""
+            print(f"{size_text:>8}  {method.label:<{width}}  {method.rate(nbytes, counts[nbytes]):>10.0f}"
+                  f"  {method.rate(nbytes, counts[nbytes], best=False):>11.0f}  {counts[nbytes]:>12}")
+    print()
+    print("Ratios (best trials):  thing / raw socket (target >= 0.9 at 16 MiB and up),  "
+          "thing / pickle (target >= 2)")
+    failed = False
+    for key in ("thing", "thing-py"):
+        if key not in by_key:
+            continue
+        method = by_key[key]
+        for nbytes in sizes:
+            count = counts[nbytes]
+            mine = method.rate(nbytes, count)
+            to_raw = mine / by_key["raw"].rate(nbytes, count)
+            to_pickle = mine / by_key["pickle"].rate(nbytes, count)
+            raw_ok = to_raw >= TARGET_RAW or nbytes < 16 * MiB
+            marks = ("" if key != "thing" else
+                     f"   {'meets' if raw_ok and to_pickle >= TARGET_PICKLE else 'MISSES'} target")
+            print(f"  {method.label:<{width}} {human(nbytes):>8}:  {to_raw:5.2f}x raw   "
+                  f"{to_pickle:5.2f}x pickle{marks}")
+    print()
+    for label, found in problems.items():
+        if found:
+            failed = True
+            print(f"VERIFY FAILED for {label}: {'; '.join(found)}")
+    backend = by_key["thing"].backend if "thing" in by_key else None
+    if backend not in (None, "compiled"):
+        failed = True
+        print(f"WARNING: the 'compiled' row ran on the {backend} core (extension not built?)")
+    if not failed:
+        print("Verified: every server received every array, and the last of each size bit-exact.")
+    print(f"Total time {elapsed:.0f} s.")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""The byte movers, compiled and pure Python, straight over real sockets.
+
+Every test runs against both ``thing._core._transport`` and its twin
+``thing._core.fallback``, over a Unix socketpair and over loopback TCP.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+import thing
+import thing._core
+from thing._core import _transport, fallback
+from thing.sockets import set_timeouts
+
+from .conftest import run_script
+
+CORES = {"compiled": _transport, "python": fallback}
+
+
+@pytest.fixture(params=list(CORES))
+def core(request: pytest.FixtureRequest) -> ModuleType:
+    """One implementation of ``send_buffers`` / ``recv_buffers``."""
+    return CORES[request.param]
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        left = socket.create_connection(listener.getsockname(), timeout=5)
+        right, _ = listener.accept()
+    return left, right
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[socket.socket, socket.socket]]:
+    """Two connected, blocking sockets with a 20 s kernel timeout so no test can hang."""
+    left, right = socket.socketpair() if request.param == "unix" else _tcp_pair()
+    for sock in (left, right):
+        set_timeouts(sock, 20, 20)
+    yield left, right
+    left.close()
+    right.close()
+
+
+class Background:
+    """Run ``target`` on a thread; ``result()`` re-raises what it raised."""
+
+    def __init__(self, target: Callable[[], Any]):
+        self._target = target
+        self._outcome: tuple[bool, Any] | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._outcome = (True, self._target())
+        except BaseException as exc:  # handed to the test thread
+            self._outcome = (False, exc)
+
+    def result(self, timeout: float = 30) -> Any:
+        self._thread.join(timeout)
+        assert self._outcome is not None, "background transfer did not finish"
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+
+def _pattern(nbytes: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def _assert_nothing_pending(sock: socket.socket) -> None:
+    try:
+        data = sock.recv(1, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return
+    raise AssertionError(f"unexpected bytes on the socket: {data!r}")
+
+
+# -- moving bytes -------------------------------------------------------------------
+
+
+def test_small_mixed_buffers_round_trip(core, pair) -> None:
+    left, right = pair
+    sources: list[Any] = [
+        b"header",
+        bytearray(b"\x00\xff" * 7),
+        memoryview(b"a view"),
+        np.arange(12, dtype=np.float32).reshape(3, 4),
+        np.array(3.5),  # 0-d
+        np.zeros((0, 3)),  # empty, 2-d
+        np.array([1 + 2j, -0.5j], np.complex128),
+        np.arange(6, dtype=">i4"),  # non-native byte order: bytes go as they are
+        np.array([True, False, True]),
+        b"",
+    ]
+    sizes = [memoryview(s).nbytes for s in sources]
+    assert core.send_buffers(left, sources) == sum(sizes)
+    targets = [bytearray(n) for n in sizes]
+    assert core.recv_buffers(right, targets) == sum(sizes)
+    for source, target in zip(sources, targets):
+        assert bytes(target) == memoryview(source).tobytes()
+
+
+def test_more_buffers_than_iov_max(core, pair) -> None:
+    left, right = pair
+    count = 3000  # > IOV_MAX (1024) on the way out and on the way in
+    rng = np.random.default_rng(1)
+    sizes = [int(n) for n in rng.integers(0, 300, count)]
+    sizes[::7] = [0] * len(sizes[::7])  # empty buffers scattered among the others
+    whole = _pattern(sum(sizes), 2)
+    offsets = np.cumsum([0, *sizes])
+    sources = [whole[offsets[i] : offsets[i + 1]] for i in range(count)]
+    targets = [np.empty(n, np.uint8) for n in sizes]
+    receiving = Background(lambda: core.recv_buffers(right, targets))
+    assert core.send_buffers(left, sources) == sum(sizes)
+    assert receiving.result() == sum(sizes)
+    assert np.array_equal(np.concatenate(targets), whole)
+
+
+def test_buffer_boundaries_need_not_match(core, pair) -> None:
+    """The receiver's buffers are cut differently from the sender's: bytes are a stream."""
+    left, right = pair
+    whole = _pattern(10_000, 3)
+    sources = [whole[:1], whole[1:5000], whole[5000:]]
+    targets = [np.empty(n, np.uint8) for n in (4999, 2, 4999)]
+    receiving = Background(lambda: core.recv_buffers(right, targets))
+    core.send_buffers(left, sources)
+    receiving.result()
+    assert np.array_equal(np.concatenate(targets), whole)
+
+
+def test_empty_buffer_lists_move_nothing(core, pair) -> None:
+    left, right = pair
+    assert core.send_buffers(left, []) == 0
+    assert core.send_buffers(left, [b"", bytearray(), np.empty((0, 5))]) == 0
+    # Nothing to fill: returns at once instead of waiting for the peer.
+    assert core.recv_buffers(right, []) == 0
+    assert core.recv_buffers(right, [bytearray(), np.empty((3, 0))]) == 0
+    _assert_nothing_pending(right)
+
+
+def test_64_mib_with_a_reader_thread(core, pair) -> None:
+    """Far more than the socket buffers hold: partial writes, and the GIL released while blocked."""
+    left, right = pair
+    size = 64 << 20
+    whole = np.arange(size // 8, dtype=np.uint64).view(np.uint8)
+    whole[::4099] = 0xA5  # not just a ramp
+    sources = [whole[:12345], whole[12345 : size // 2], whole[size // 2 :]]
+    target = np.empty(size, np.uint8)
+    header = bytearray(16)
+    receiving = Background(lambda: core.recv_buffers(right, [header, target]))
+    assert core.send_buffers(left, [b"0123456789abcdef", *sources]) == size + 16
+    assert receiving.result(60) == size + 16
+    assert bytes(header) == b"0123456789abcdef"
+    assert np.array_equal(target, whole)
+
+
+def test_receiving_side_sends_while_other_thread_receives(core, pair) -> None:
+    """Both directions at once on one socket (the client's sender and ack reader do this)."""
+    left, right = pair
+    size = 8 << 20
+    out_left, out_right = _pattern(size, 4), _pattern(size, 5)
+    in_left, in_right = np.empty(size, np.uint8), np.empty(size, np.uint8)
+    jobs = [
+        Background(lambda: core.send_buffers(left, [out_left])),
+        Background(lambda: core.send_buffers(right, [out_right])),
+        Background(lambda: core.recv_buffers(left, [in_left])),
+        Background(lambda: core.recv_buffers(right, [in_right])),
+    ]
+    for job in jobs:
+        assert job.result(60) == size
+    assert np.array_equal(in_right, out_left)
+    assert np.array_equal(in_left, out_right)
+
+
+# -- refusing bad buffers -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "readonly",
+    [b"12345678", memoryview(bytearray(8)).toreadonly(), np.zeros(8, np.uint8)],
+    ids=["bytes", "readonly-memoryview", "readonly-ndarray"],
+)
+def test_recv_into_read_only_buffer_raises(core, pair, readonly) -> None:
+    left, right = pair
+    if isinstance(readonly, np.ndarray):
+        readonly = readonly.copy()
+        readonly.flags.writeable = False
+    left.sendall(b"x" * 16)
+    # numpy refuses a writable view of its read-only arrays with ValueError.
+    expected = (BufferError, ValueError) if isinstance(readonly, np.ndarray) else BufferError
+    with pytest.raises(expected):
+        core.recv_buffers(right, [bytearray(8), readonly])
+    # Refused before reading: the bytes are still there for a correct call.
+    target = bytearray(16)
+    assert core.recv_buffers(right, [target]) == 16
+    assert bytes(target) == b"x" * 16
+
+
+def test_non_contiguous_buffer_is_refused_before_sending(core, pair) -> None:
+    left, right = pair
+    strided = np.arange(20, dtype=np.uint8)[::2]
+    with pytest.raises((BufferError, ValueError)):
+        core.send_buffers(left, [b"first", strided])
+    _assert_nothing_pending(right)
+
+
+def test_non_buffer_object_raises_type_error(core, pair) -> None:
+    left, _ = pair
+    with pytest.raises(TypeError):
+        core.send_buffers(left, [b"ok", "a str is not a buffer"])
+
+
+# -- errors carry errno -------------------------------------------------------------
+
+
+def test_peer_closing_mid_transfer_is_connection_reset(core, pair) -> None:
+    left, right = pair
+    left.sendall(b"y" * 100)
+    left.close()
+    target = bytearray(1000)
+    with pytest.raises(ConnectionResetError) as info:
+        core.recv_buffers(right, [target])
+    assert info.value.errno == errno.ECONNRESET
+    assert "100 of 1000" in str(info.value)
+    assert bytes(target[:100]) == b"y" * 100
+
+
+def test_peer_closed_before_anything_is_connection_reset(core, pair) -> None:
+    left, right = pair
+    left.close()
+    with pytest.raises(ConnectionResetError) as info:
+        core.recv_buffers(right, [bytearray(12)])
+    assert info.value.errno == errno.ECONNRESET
+
+
+def test_sending_to_a_closed_peer_raises_with_errno(core, pair) -> None:
+    left, right = pair
+    right.close()
+    chunk = np.zeros(1 << 20, np.uint8)
+    with pytest.raises(OSError) as info:
+        for _ in range(64):  # the first sends may still land in the kernel's buffers
+            core.send_buffers(left, [chunk])
+    assert info.value.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN)
+    assert isinstance(info.value, (BrokenPipeError, ConnectionResetError, OSError))
+
+
+def test_closed_socket_raises_os_error_with_errno(core, pair) -> None:
+    left, _ = pair
+    left.close()
+    with pytest.raises(OSError) as info:
+        core.send_buffers(left, [b"data"])
+    assert info.value.errno == errno.EBADF
+
+
+def test_receive_timeout_is_timeout_error_with_errno(core, pair) -> None:
+    left, right = pair
+    set_timeouts(right, None, 0.2)
+    left.sendall(b"z" * 10)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        core.recv_buffers(right, [bytearray(100)])
+    assert time.monotonic() - started < 10
+    assert info.value.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
+    assert "10 of 100" in str(info.value)
+
+
+def test_send_timeout_is_timeout_error_with_errno(core, pair) -> None:
+    left, _ = pair  # nobody ever reads from the other end
+    set_timeouts(left, 0.2, None)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        core.send_buffers(left, [np.zeros(64 << 20, np.uint8)])
+    assert time.monotonic() - started < 10
+    assert info.value.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
+
+
+# -- signals ------------------------------------------------------------------------
+
+
+def _wait_until_blocked(native_id: int, timeout: float = 10) -> None:
+    """Poll /proc until thread ``native_id`` sleeps in the kernel (inside recvmsg)."""
+    deadline = time.monotonic() + timeout
+    path = f"/proc/self/task/{native_id}/stat"
+    while time.monotonic() < deadline:
+        with open(path) as stat:
+            state = stat.read().rpartition(")")[2].split()[0]
+        if state == "S":
+            return
+        time.sleep(0.005)
+    raise AssertionError("the receiving thread never blocked")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_signal_during_receive_is_retried(core, pair) -> None:
+    """EINTR: the signal handler runs, then the transfer carries on where it was."""
+    left, right = pair
+    main = threading.main_thread()
+    assert threading.current_thread() is main
+    handled = threading.Event()
+    previous = signal.signal(signal.SIGUSR1, lambda *_: handled.set())
+    try:
+
+        def interrupt_then_send() -> None:
+            _wait_until_blocked(main.native_id)
+            signal.pthread_kill(main.ident, signal.SIGUSR1)
+            assert handled.wait(10)
+            left.sendall(b"after the signal")
+
+        helper = Background(interrupt_then_send)
+        target = bytearray(16)
+        assert core.recv_buffers(right, [target]) == 16
+        helper.result()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert bytes(target) == b"after the signal"
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_exception_from_signal_handler_escapes_a_blocked_receive(core, pair) -> None:
+    """A KeyboardInterrupt (here: any exception from a handler) is not swallowed by the loop."""
+    _, right = pair
+    main = threading.main_thread()
+
+    def handler(*_: Any) -> None:
+        raise _Interrupted()
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+
+        def interrupt() -> None:
+            _wait_until_blocked(main.native_id)
+            signal.pthread_kill(main.ident, signal.SIGUSR1)
+
+        helper = Background(interrupt)
+        with pytest.raises(_Interrupted):
+            core.recv_buffers(right, [bytearray(16)])
+        helper.result()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+# -- which core a normal install uses ------------------------------------------------
+
+
+def test_normal_install_uses_the_compiled_core() -> None:
+    if os.environ.get("THING_PUREPYTHON", "") not in ("", "0"):
+        pytest.skip("THING_PUREPYTHON is set for this run")
+    assert thing.BACKEND == "compiled"
+    assert thing._core.send_buffers is _transport.send_buffers
+    assert thing._core.recv_buffers is _transport.recv_buffers
+    assert _transport.__file__.endswith((".so", ".pyd"))
+
+
+def test_purepython_environment_variable_selects_the_twin() -> None:
+    code = """
+        import thing, thing._core, thing.client
+        print(thing.BACKEND, thing._core.send_buffers.__module__,
+              thing.client.recv_buffers.__module__)
+    """
+    python = "python thing._core.fallback thing._core.fallback"
+    assert run_script(code, THING_PUREPYTHON="1").split() == python.split()
+    compiled = "compiled thing._core._transport thing._core._transport"
+    assert run_script(code, THING_PUREPYTHON="0").split() == compiled.split()
