@@ -135,6 +135,16 @@ def start_thing_server(**env: str) -> tuple[Child, int]:
     return child, int(line.split()[1])
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used so far, all its threads (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

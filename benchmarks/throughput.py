@@ -243,16 +243,20 @@ class Method:
         self.client = Child([here, "--role", role, "--port", str(port)], child_env(**env))
         self.sent: dict[int, int] = {}
         self.seconds: dict[int, list[float]] = {}
+        self.cpu: dict[int, list[float]] = {}  # CPU seconds (both processes) per GB moved
         self.lost = 0
         self.backend: str | None = None
 
     def run(self, nbytes: int, count: int, timed: bool = True) -> None:
+        before = _common.cpu_seconds(self.client.proc.pid) + _common.cpu_seconds(self.server.proc.pid)
         answer = self.client.ask(f"run {nbytes} {count}")
+        used = _common.cpu_seconds(self.client.proc.pid) + _common.cpu_seconds(self.server.proc.pid)
         self.sent[nbytes] = self.sent.get(nbytes, 0) + count
         self.lost += answer.get("lost", 0)
         self.backend = answer.get("backend", self.backend)
         if timed:
             self.seconds.setdefault(nbytes, []).append(answer["seconds"])
+            self.cpu.setdefault(nbytes, []).append((used - before) / (nbytes * count / 1e9))
 
     def rate(self, nbytes: int, count: int, best: bool = True) -> float:
         times = self.seconds[nbytes]
@@ -358,12 +362,16 @@ def main() -> int:
     by_key = {method.key: method for method in methods}
     width = max(len(method.label) for method in methods)
     print(f"{'size':>8}  {'method':<{width}}  {'best MB/s':>10}  {'median MB/s':>11}  "
-          f"{'arrays/trial':>12}")
+          f"{'CPU s/GB':>8}  {'arrays/trial':>12}")
     for nbytes in sizes:
         for index, method in enumerate(methods):
             size_text = human(nbytes) if index == 0 else ""
-            print(f"{size_text:>8}  {method.label:<{width}}  {method.rate(nbytes, counts[nbytes]):>10.0f}"
-                  f"  {method.rate(nbytes, counts[nbytes], best=False):>11.0f}  {counts[nbytes]:>12}")
+            count = counts[nbytes]
+            print(f"{size_text:>8}  {method.label:<{width}}  {method.rate(nbytes, count):>10.0f}"
+                  f"  {method.rate(nbytes, count, best=False):>11.0f}"
+                  f"  {_common.median(method.cpu[nbytes]):>8.2f}  {count:>12}")
+    print("(CPU s/GB: user+system CPU seconds of the client and server processes together per "
+          "10^9 bytes, median trial;\n less sensitive than MB/s to other load on a shared machine.)")
     print()
     print("Ratios (best trials):  thing / raw socket (target >= 0.9 at 16 MiB and up),  "
           "thing / pickle (target >= 2)")

@@ -16,8 +16,7 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,8 +50,7 @@ CARRIER_DTYPES: dict[str, np.dtype] = {
 FRAMEWORKS = ("numpy", "torch", "jax")
 
 
-@dataclass(frozen=True)
-class LeafSpec:
+class LeafSpec(NamedTuple):
     """What one array of a capture is: enough to allocate its destination up front."""
 
     framework: str  # "numpy", "torch", "jax", or "bytes" for a bytes object
@@ -68,79 +66,99 @@ class LeafSpec:
         return count * CARRIER_DTYPES[self.dtype].itemsize
 
 
-@dataclass
 class Leaf:
-    """An array caught on the sending side: its spec and the object whose memory will be sent."""
+    """An array caught on the sending side: its spec and the object whose memory will be sent.
 
-    spec: LeafSpec
-    source: Any
-    ready: Any = None  # a CUDA event the sender thread waits for before reading ``source``
-    version: int | None = None  # torch's in-place version counter when it was caught
+    ``ready`` is a CUDA event the sender thread waits for before reading
+    ``source``; ``version`` is torch's in-place version counter when caught.
+    """
+
+    __slots__ = ("spec", "source", "nbytes", "ready", "version")
+
+    def __init__(self, spec: LeafSpec, source: Any, nbytes: int, ready: Any = None,
+                 version: int | None = None):
+        self.spec = spec
+        self.source = source
+        self.nbytes = nbytes
+        self.ready = ready
+        self.version = version
 
 
 def is_array(obj: Any) -> bool:
     """True for the objects that travel as payload bytes rather than in the header."""
-    if isinstance(obj, np.str_):  # travels as the str it is
+    if isinstance(obj, np.str_):
         return False
     if isinstance(obj, (np.ndarray, np.generic, bytes, bytearray, memoryview)):
         return True
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
-        return True
-    jax = sys.modules.get("jax")
-    return jax is not None and isinstance(obj, jax.Array)
+    torch, jax = sys.modules.get("torch"), sys.modules.get("jax")
+    return (torch is not None and isinstance(obj, torch.Tensor)) or (
+        jax is not None and isinstance(obj, jax.Array)
+    )
 
 
-def catch_leaf(obj: Any, copy: bool = False) -> Leaf:
+def catch_leaf(obj: Any, copy: bool = False) -> Leaf | None:
     """Describe an array on the caller's thread: metadata and a reference, no data touched.
 
+    Returns None for objects that are not arrays (they travel in the header).
     With ``copy=True`` the data is snapshotted now, so later in-place updates
     cannot reach what is sent. CUDA tensors are always copied to host memory,
     asynchronously on the current stream.
     """
+    if type(obj) is np.ndarray:
+        return _numpy_leaf(obj, copy)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _torch_leaf(torch, obj, copy)
+    if isinstance(obj, np.str_):  # travels as the str it is
+        return None
     if isinstance(obj, (np.ndarray, np.generic)):
         return _numpy_leaf(obj, copy)
     if isinstance(obj, (bytes, bytearray, memoryview)):
         view = memoryview(obj).cast("B")
-        return Leaf(LeafSpec("bytes", "uint8", (view.nbytes,)), bytes(view) if copy else view)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
-        return _torch_leaf(torch, obj, copy)
+        spec = LeafSpec("bytes", "uint8", (view.nbytes,))
+        return Leaf(spec, bytes(view) if copy else view, view.nbytes)
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(obj, jax.Array):
         leaf = _numpy_leaf(np.asarray(obj), copy)
-        return Leaf(LeafSpec("jax", leaf.spec.dtype, leaf.spec.shape), leaf.source)
-    raise UnsupportedType(f"cannot send an object of type {type(obj).__qualname__}")
+        leaf.spec = leaf.spec._replace(framework="jax")
+        return leaf
+    return None
 
 
-def _dtype_name(dtype: np.dtype) -> str:
-    name = dtype.name
-    if name not in CARRIER_DTYPES:
-        raise UnsupportedType(f"dtype {dtype} is not supported")
+# dtype object (numpy's or torch's) -> wire name; filled as dtypes are first seen,
+# because computing a numpy dtype's name costs a microsecond on every catch.
+_wire_names: dict[Any, str] = {}
+
+
+def _wire_name(dtype: Any) -> str:
+    name = _wire_names.get(dtype)
+    if name is None:
+        name = dtype.name if isinstance(dtype, np.dtype) else str(dtype).rpartition(".")[2]
+        if name not in CARRIER_DTYPES:
+            raise UnsupportedType(f"dtype {dtype} is not supported")
+        _wire_names[dtype] = name
     return name
 
 
 def _numpy_leaf(array: np.ndarray | np.generic, copy: bool) -> Leaf:
     scalar = isinstance(array, np.generic)
-    spec = LeafSpec("numpy", _dtype_name(array.dtype), tuple(array.shape), scalar)
-    return Leaf(spec, np.array(array) if copy or scalar else array)
+    spec = LeafSpec("numpy", _wire_name(array.dtype), array.shape, scalar)
+    return Leaf(spec, np.array(array) if copy or scalar else array, array.nbytes)
 
 
 def _torch_leaf(torch: Any, tensor: Any, copy: bool) -> Leaf:
-    name = str(tensor.dtype).rpartition(".")[2]
-    if name not in CARRIER_DTYPES:
-        raise UnsupportedType(f"torch dtype {tensor.dtype} is not supported")
-    spec = LeafSpec("torch", name, tuple(tensor.shape))
+    spec = LeafSpec("torch", _wire_name(tensor.dtype), tuple(tensor.shape))
+    nbytes = tensor.nbytes
     tensor = tensor.detach()
     if tensor.is_cuda:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return Leaf(spec, host, ready=ready)
+        return Leaf(spec, host, nbytes, ready=ready)
     if copy:
-        return Leaf(spec, tensor.clone(memory_format=torch.contiguous_format))
-    return Leaf(spec, tensor, version=tensor._version)
+        return Leaf(spec, tensor.clone(memory_format=torch.contiguous_format), nbytes)
+    return Leaf(spec, tensor, nbytes, version=tensor._version)
 
 
 def leaf_bytes(leaf: Leaf) -> np.ndarray:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import math
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -224,15 +225,19 @@ def _kind(capture: Capture) -> tuple[str, str, str]:
         what = f"{type(value).__name__} of {len(value)}"
         if not leaves:
             return what, "-", "python"
-        dtypes = sorted({spec.dtype for spec in leaves})
-        frameworks = sorted({spec.framework for spec in leaves})
-        return what, ",".join(dtypes), ",".join(frameworks)
+        return what, _several(spec.dtype for spec in leaves), _several(
+            spec.framework for spec in leaves)
     if len(leaves) == 1:
         spec = leaves[0]
         if spec.framework == "bytes":
             return f"{spec.shape[0]} bytes", "-", "bytes"
         return _shape_text(spec.shape), spec.dtype, spec.framework
     return "-", type(value).__name__, "python"
+
+
+def _several(items: Any, most: int = 2) -> str:
+    distinct = sorted(set(items))
+    return ",".join(distinct) if len(distinct) <= most else f"{len(distinct)} kinds"
 
 
 def _scalar_text(value: Any) -> str | None:
@@ -353,6 +358,28 @@ class _Output:
         lines += [f"{label.ljust(width)}  {text}" for label, text in pairs]
         return "\n".join(lines)
 
+    def entries(self, title: str, entries: list[tuple[str, str]]) -> Any:
+        """A titled list of ``(heading, line)`` pairs: the heading, then the line indented below."""
+        if self.rich:
+            from rich.padding import Padding
+            from rich.text import Text
+
+            grid = self._table_type.grid(padding=(0, 0))
+            grid.add_column(overflow="fold")
+            grid.add_row(Text(title, style="bold underline"))
+            for heading, line in entries:
+                grid.add_row(Text(heading, style="bold"))
+                if line:
+                    grid.add_row(Padding(Text(line), (0, 0, 0, 4)))
+            grid.add_row("")
+            return grid
+        lines = [title]
+        for heading, line in entries:
+            lines.append(heading)
+            if line:
+                lines.append("    " + line)
+        return "\n".join(lines) + "\n"
+
     def print(self, *items: Any) -> None:
         for item in items:
             if self.rich:
@@ -412,7 +439,7 @@ def show_summary(server: Any, max_items: int | None = 5) -> None:
         out.print(f"{where}: nothing received yet; in the training job call thing.catch(tensor)."
                   if not overview.received else f"{where}: no named captures kept.", caption)
         return
-    out.print(out.table(where, columns, rows, caption))
+    out.print(out.table(where, columns, rows, caption, no_wrap=(0, 1)))
 
 
 # -- describe --------------------------------------------------------------------------
@@ -505,13 +532,13 @@ def _leaf_table(out: _Output, capture: Capture) -> Any:
         cells = ["", "", "", "", "", "", ""]
         if stats is not None and stats.count:
             numbers = (stats.min, stats.max, stats.mean, stats.std, stats.norm)
-            cells = [_number(x) if x is not None else "-" for x in numbers] + [str(stats.nan),
-                                                                              str(stats.inf)]
+            cells = [f"{x:.4g}" if x is not None else "-" for x in numbers]
+            cells += [str(stats.nan), str(stats.inf)]
         rows.append([path, _shape_text(spec.shape), spec.dtype, spec.framework, *cells])
     columns = ["path", "shape", "dtype", "framework", "min", "max", "mean", "std", "L2 norm", "NaN",
                "Inf"]
     return out.table("arrays", columns, rows,
-                     "statistics over finite values; std with ddof=0", no_wrap=(0,))
+                     "statistics over finite values; std with ddof=0", no_wrap=(0, 1, 2, 3))
 
 
 # -- status ----------------------------------------------------------------------------
@@ -602,7 +629,7 @@ def _status_lines(server: Any, refresh: float) -> None:
 
 
 def _next_frame(store: Any, refresh: float, min_interval: float = 0.1) -> None:
-    """Return after the next arrival or ``refresh`` seconds, but not sooner than ``min_interval``."""
+    """Return after the next arrival or ``refresh`` s, but not sooner than ``min_interval`` s."""
     started = time.monotonic()
     store.wait_for_arrival(store.received, refresh)
     rest = min_interval - (time.monotonic() - started)
@@ -625,20 +652,20 @@ def show_help() -> None:
     for name in ordered:
         obj = getattr(thing, name)
         if inspect.isclass(obj) and issubclass(obj, BaseException):
-            errors.append([name, _first_line(obj)])
+            errors.append((f"thing.{name}", _first_line(obj)))
         elif inspect.isclass(obj):
             methods = [m for m, _ in inspect.getmembers(obj, inspect.isfunction)
                        if not m.startswith("_")]
             line = _first_line(obj) + (f" Methods: {', '.join(methods)}." if methods else "")
-            classes.append([f"thing.{name}{_signature(obj)}", line])
+            classes.append((f"thing.{name}{_signature(obj)}", line))
         elif callable(obj):
-            functions.append([f"thing.{name}{_signature(obj)}", _first_line(obj)])
+            functions.append((f"thing.{name}{_signature(obj)}", _first_line(obj)))
     out.print(
-        out.table("functions", ["call", "what it does"], functions),
-        out.table("classes", ["class", "what it is"], classes),
-        out.table("errors", ["exception", "when"], errors),
-        "thing.BACKEND names the transport core in use. "
-        "help(thing.<name>) shows the full documentation of one of them.",
+        out.entries("Functions", functions),
+        out.entries("Classes", classes),
+        out.entries("Errors", errors),
+        "thing.BACKEND names the transport core in use; help(thing.<name>) shows the whole "
+        "documentation of one of the above.",
     )
 
 
@@ -654,5 +681,8 @@ def _signature(obj: Any) -> str:
 
 
 def _first_line(obj: Any) -> str:
-    doc = inspect.getdoc(obj) or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
+    doc = (inspect.getdoc(obj) or "").strip()
+    if not doc:
+        return ""
+    # reStructuredText to plain text: ``code`` -> code, :class:`Name` -> Name.
+    return re.sub(r":\w+:`~?([^`]*)`", r"\1", doc.splitlines()[0]).replace("``", "")

@@ -34,8 +34,8 @@ def serve(port: int | None = None, host: str | None = None) -> Server:
     _show_log_lines()
     if _server is not None and _server.running:
         if port not in (None, 0, _server.port) or host not in (None, _server.host):
-            log.warning("The thing server is already running at %s:%d; close it with "
-                        "thing.repl.default_server().close() to serve elsewhere.",
+            log.warning("The thing server is already running at %s:%d (one per session; "
+                        "thing.Server(port=...).start() starts another).",
                         _server.host, _server.port)
         else:
             log.info("Server already running at port %d.", _server.port)
@@ -86,7 +86,7 @@ def get_all(name: str, rank: int | None = None) -> list[Any]:
 
 
 def wait(name: str, timeout: float | None = None) -> Any:
-    """Block until a new capture of ``name`` arrives and return it; TimeoutError after ``timeout`` s."""
+    """Wait for the next capture of ``name`` and return it (TimeoutError after ``timeout`` s)."""
     return default_server().wait(name, timeout)
 
 
@@ -175,7 +175,7 @@ def describe(name_or_id: str | int, index: int = 0, rank: int | None = None) -> 
 
 
 def status() -> None:
-    """Live view of arrivals with a spinner; Ctrl+C returns to the prompt, the server keeps running."""
+    """Watch arrivals live, with a spinner; Ctrl+C returns to the prompt, the server keeps going."""
     from .display import show_status
 
     show_status(default_server())
@@ -189,7 +189,7 @@ def help() -> None:  # noqa: A001 - thing.help() is the documented entry point
 
 
 def _caller_namespace() -> dict[str, Any]:
-    """IPython's user namespace when a shell runs, else the nearest caller's globals outside thing."""
+    """IPython's user namespace if a shell runs, else the first non-thing caller's globals."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is not None:
@@ -210,7 +210,9 @@ def _count(number: int, noun: str) -> str:
 
 def _show_log_lines() -> None:
     """Make the thing logger's INFO lines visible in a REPL that has not configured logging."""
-    if log.handlers or logging.getLogger().handlers:
+    # thing's own NullHandler only silences "no handler" warnings; it shows nothing.
+    if logging.getLogger().handlers or any(
+            not isinstance(handler, logging.NullHandler) for handler in log.handlers):
         return
     handler = logging.StreamHandler()
     handler.setFormatter(
@@ -220,10 +222,10 @@ def _show_log_lines() -> None:
 
 
 def _free_port_near(port: int, host: str) -> int:
-    import socket
-
-    for candidate in range(port + 1, min(port + 50, 65535)):
-        with socket.socket() as probe:
+    """A port after ``port`` that is free on ``host`` right now (0, "any free port", if none is)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for candidate in range(port + 1, min(port + 50, 65536)):
+        with socket.socket(family) as probe:
             try:
                 probe.bind((host, candidate))
             except OSError:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import config
-from .arrays import CARRIER_DTYPES, FRAMEWORKS, Leaf, LeafSpec, catch_leaf, is_array
+from .arrays import CARRIER_DTYPES, FRAMEWORKS, Leaf, LeafSpec, catch_leaf
 from .errors import HandshakeError, LimitExceeded, ProtocolError, UnsupportedType
 
 MAGIC = b"THNG"
@@ -92,16 +92,18 @@ def decode_handshake_info(body: bytes) -> dict[str, Any]:
 # -- captures: sending side -----------------------------------------------------
 
 
-@dataclass
 class Payload:
     """A capture taken apart on the caller's thread: JSON-ready structure plus array leaves."""
 
-    tree: Any
-    leaves: list[Leaf]
+    __slots__ = ("tree", "leaves", "nbytes")
 
-    @property
-    def nbytes(self) -> int:
-        return sum(leaf.spec.nbytes for leaf in self.leaves)
+    def __init__(self, tree: Any, leaves: list[Leaf], nbytes: int):
+        self.tree = tree
+        self.leaves = leaves
+        self.nbytes = nbytes
+
+
+_SINGLE_LEAF = {"leaf": 0}
 
 
 def take_apart(value: Any, copy: bool = False, max_depth: int = 64) -> Payload:
@@ -109,33 +111,37 @@ def take_apart(value: Any, copy: bool = False, max_depth: int = 64) -> Payload:
 
     Raises :class:`UnsupportedType` for anything that cannot travel.
     """
+    leaf = catch_leaf(value, copy)
+    if leaf is not None:  # the common case, kept short: catch() runs in training loops
+        return Payload(_SINGLE_LEAF, [leaf], leaf.nbytes)
     leaves: list[Leaf] = []
+    tree = _walk(value, leaves, copy, max_depth)
+    return Payload(tree, leaves, sum(leaf.nbytes for leaf in leaves))
 
-    def walk(obj: Any, depth: int) -> Any:
-        if depth > max_depth:
-            raise UnsupportedType(f"containers nested deeper than {max_depth} levels")
-        if obj is None or type(obj) in (bool, int, float, str):
-            return obj
-        if is_array(obj):
-            leaves.append(catch_leaf(obj, copy))
-            return {"leaf": len(leaves) - 1}
-        for plain in (int, float, str):  # subclasses, e.g. an IntEnum, travel as their base
-            if isinstance(obj, plain):
-                return plain(obj)
-        if isinstance(obj, list):
-            return {"list": [walk(item, depth + 1) for item in obj]}
-        if isinstance(obj, tuple):
-            return {"tuple": [walk(item, depth + 1) for item in obj]}
-        if isinstance(obj, dict):
-            items = []
-            for key, item in obj.items():
-                if not isinstance(key, str):
-                    raise UnsupportedType(f"dict keys must be str, not {type(key).__qualname__}")
-                items.append([key, walk(item, depth + 1)])
-            return {"dict": items}
-        raise UnsupportedType(f"cannot send an object of type {type(obj).__qualname__}")
 
-    return Payload(walk(value, 0), leaves)
+def _walk(obj: Any, leaves: list[Leaf], copy: bool, depth: int) -> Any:
+    if depth < 0:
+        raise UnsupportedType("containers nested too deeply")
+    if obj is None or type(obj) in (bool, int, float, str):
+        return obj
+    leaf = catch_leaf(obj, copy)
+    if leaf is not None:
+        leaves.append(leaf)
+        return {"leaf": len(leaves) - 1}
+    for plain in (int, float, str):  # subclasses, e.g. an IntEnum, travel as their base
+        if isinstance(obj, plain):
+            return plain(obj)
+    if isinstance(obj, (list, tuple)):
+        tag = "list" if isinstance(obj, list) else "tuple"
+        return {tag: [_walk(item, leaves, copy, depth - 1) for item in obj]}
+    if isinstance(obj, dict):
+        items = []
+        for key, item in obj.items():
+            if not isinstance(key, str):
+                raise UnsupportedType(f"dict keys must be str, not {type(key).__qualname__}")
+            items.append([key, _walk(item, leaves, copy, depth - 1)])
+        return {"dict": items}
+    raise UnsupportedType(f"cannot send an object of type {type(obj).__qualname__}")
 
 
 def encode_header(seq: int, name: str | None, payload: Payload, meta: dict[str, Any]) -> bytes:
