@@ -76,8 +76,9 @@ def machine() -> dict[str, str]:
         "numpy": np.__version__,
         "thing": f"{thing.__version__} ({thing.BACKEND} core)",
     }
-    if "torch" in sys.modules:
-        info["torch"] = f"{sys.modules['torch'].__version__} ({sys.modules['torch'].get_num_threads()} threads)"
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        info["torch"] = f"{torch.__version__} ({torch.get_num_threads()} intra-op threads)"
     return info
 
 

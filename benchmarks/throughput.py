@@ -46,9 +46,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
-from _common import Child, bit_equal, child_env, pattern, start_thing_server  # noqa: E402
-
 import numpy as np  # noqa: E402
+from _common import Child, bit_equal, child_env, pattern, start_thing_server  # noqa: E402
 
 MiB = 1 << 20
 RUN = struct.Struct("<QQ")  # array bytes, arrays in this run
@@ -235,11 +234,10 @@ class Method:
         if key.startswith("thing"):
             self.server, port = start_thing_server(**env)
         else:
-            role = {"raw": "server-raw", "raw-fresh": "server-raw-fresh",
-                    "pickle": "server-pickle"}[key]
+            role = "server-raw-fresh" if key.startswith("raw-fresh") else f"server-{key}"
             self.server = Child([here, "--role", role], child_env(**env))
             port = int(self.server.readline().split()[1])
-        role = "client-" + ("thing" if key.startswith("thing") else key.replace("-fresh", ""))
+        role = "client-" + ("thing" if key.startswith("thing") else key.split("-")[0])
         self.client = Child([here, "--role", role, "--port", str(port)], child_env(**env))
         self.sent: dict[int, int] = {}
         self.seconds: dict[int, list[float]] = {}
@@ -248,15 +246,18 @@ class Method:
         self.backend: str | None = None
 
     def run(self, nbytes: int, count: int, timed: bool = True) -> None:
-        before = _common.cpu_seconds(self.client.proc.pid) + _common.cpu_seconds(self.server.proc.pid)
+        before = self.cpu_seconds()
         answer = self.client.ask(f"run {nbytes} {count}")
-        used = _common.cpu_seconds(self.client.proc.pid) + _common.cpu_seconds(self.server.proc.pid)
+        used = self.cpu_seconds()
         self.sent[nbytes] = self.sent.get(nbytes, 0) + count
         self.lost += answer.get("lost", 0)
         self.backend = answer.get("backend", self.backend)
         if timed:
             self.seconds.setdefault(nbytes, []).append(answer["seconds"])
             self.cpu.setdefault(nbytes, []).append((used - before) / (nbytes * count / 1e9))
+
+    def cpu_seconds(self) -> float:
+        return sum(_common.cpu_seconds(child.proc.pid) for child in (self.client, self.server))
 
     def rate(self, nbytes: int, count: int, best: bool = True) -> float:
         times = self.seconds[nbytes]
@@ -311,7 +312,7 @@ def human(nbytes: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1M,16M,256M",
-                        help="comma-separated array sizes in bytes, K/M/G suffixes (default 1M,16M,256M)")
+                        help="comma-separated sizes, K/M/G suffixes (default 1M,16M,256M)")
     parser.add_argument("--quick", action="store_true",
                         help="256 MiB per trial and 2 trials instead of 1 GiB and 3 (a smoke run)")
     parser.add_argument("--trials", type=int, help="timed trials per method and size")
@@ -370,11 +371,11 @@ def main() -> int:
             print(f"{size_text:>8}  {method.label:<{width}}  {method.rate(nbytes, count):>10.0f}"
                   f"  {method.rate(nbytes, count, best=False):>11.0f}"
                   f"  {_common.median(method.cpu[nbytes]):>8.2f}  {count:>12}")
-    print("(CPU s/GB: user+system CPU seconds of the client and server processes together per "
-          "10^9 bytes, median trial;\n less sensitive than MB/s to other load on a shared machine.)")
+    print("(CPU s/GB: user+system CPU seconds of the client and server processes together per\n"
+          " 10^9 bytes, median trial; less sensitive than MB/s to other load on a shared machine.)")
     print()
-    print("Ratios (best trials):  thing / raw socket (target >= 0.9 at 16 MiB and up),  "
-          "thing / pickle (target >= 2)")
+    print("Ratios of best trials; targets: thing >= 0.9x raw socket at 16 MiB and up, "
+          ">= 2x pickle.")
     failed = False
     for key in ("thing", "thing-py"):
         if key not in by_key:
@@ -385,11 +386,17 @@ def main() -> int:
             mine = method.rate(nbytes, count)
             to_raw = mine / by_key["raw"].rate(nbytes, count)
             to_pickle = mine / by_key["pickle"].rate(nbytes, count)
-            raw_ok = to_raw >= TARGET_RAW or nbytes < 16 * MiB
-            marks = ("" if key != "thing" else
-                     f"   {'meets' if raw_ok and to_pickle >= TARGET_PICKLE else 'MISSES'} target")
-            print(f"  {method.label:<{width}} {human(nbytes):>8}:  {to_raw:5.2f}x raw   "
-                  f"{to_pickle:5.2f}x pickle{marks}")
+            verdict = ""
+            if key == "thing":
+                raw_mark = ("meets" if to_raw >= TARGET_RAW else "MISSES") if nbytes >= 16 * MiB \
+                    else "n/a"
+                pickle_mark = "meets" if to_pickle >= TARGET_PICKLE else "MISSES"
+                verdict = f"   raw target: {raw_mark:<6}  pickle target: {pickle_mark}"
+            fresh = ""
+            if "raw-fresh" in by_key:
+                fresh = f"  {mine / by_key['raw-fresh'].rate(nbytes, count):6.3f}x raw-fresh"
+            print(f"  {method.label:<{width}} {human(nbytes):>8}: {to_raw:6.3f}x raw  "
+                  f"{to_pickle:6.3f}x pickle{fresh}{verdict}")
     print()
     for label, found in problems.items():
         if found:

@@ -425,7 +425,7 @@ def show_summary(server: Any, max_items: int | None = 5) -> None:
     notes.append(f"{overview.unnamed} unnamed")
     notes.append(f"{overview.evicted} evicted")
     if overview.rejected:
-        notes.append(f"{overview.rejected} refused as too large")
+        notes.append(f"{overview.rejected} refused for lack of room")
     held = f"{_bytes_text(overview.held_bytes)} held of a {_bytes_text(overview.max_bytes)} cap"
     if overview.max_versions:
         held += f", {overview.max_versions} versions per name"
@@ -564,30 +564,30 @@ def show_status(server: Any, refresh: float = 0.25, rows: int = 10) -> None:
             _status_lines(server, refresh)
     except KeyboardInterrupt:
         pass
+    kept = len(store)
     print(f"Stopped watching; the server is still running at port {server.port} "
-          f"with {len(store)} captures kept.", flush=True)
+          f"with {kept} capture{'' if kept == 1 else 's'} kept.", flush=True)
 
 
 def _status_view(out: _Output, server: Any, rows: int) -> Any:
     from rich.console import Group
     from rich.spinner import Spinner
+    from rich.text import Text
 
     store = server.store
     clients = len(server.clients())
     recent = store.recent(rows)
-    from rich.text import Text
-
     header = Spinner("dots", text=Text(
         f"thing server at {server.host}:{server.port}: {store.received} received, "
         f"{len(store)} kept ({_bytes_text(store.held_bytes)}), "
         f"{clients} client{'s' if clients != 1 else ''} connected. Ctrl+C to stop watching."))
-    now = time.time()
     table = out.table(None, ["arrived", "id", "name", "shape", "dtype", "value", "sender"],
-                      [_arrival_row(capture, now) for capture in recent], no_wrap=(2,))
+                      [_arrival_row(capture) for capture in recent],
+                      None if recent else "waiting for the first capture...", no_wrap=(2,))
     return Group(header, table)
 
 
-def _arrival_row(capture: Capture, now: float | None = None) -> list[str]:
+def _arrival_row(capture: Capture) -> list[str]:
     shape, dtype, _ = _kind(capture)
     return [_clock(capture.received_at)[11:], str(capture.id),
             (capture.name if capture.name is not None else "(unnamed)") + _flag(capture),
@@ -609,6 +609,9 @@ def _status_in_notebook(out: _Output, server: Any, refresh: float, rows: int) ->
     from rich.panel import Panel
 
     handle = display(Panel(_status_view(out, server, rows)), display_id=True)
+    if handle is None:  # not in a running kernel after all
+        _status_lines(server, refresh)
+        return
     while True:
         _next_frame(server.store, refresh)
         handle.update(Panel(_status_view(out, server, rows)))

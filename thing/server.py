@@ -120,6 +120,38 @@ class Server:
         """Forget one name's history, or everything; return how many captures were dropped."""
         return self.store.clear(name)
 
+    def summary(self, max_items: int | None = 5) -> None:
+        """Print a table of what this server received (see ``thing.summary``)."""
+        from .display import show_summary
+
+        show_summary(self, max_items)
+
+    def describe(self, name_or_id: str | int, index: int = 0, rank: int | None = None) -> None:
+        """Print everything known about a capture, with statistics for arrays."""
+        from .display import show_description
+
+        show_description(self.capture(name_or_id, index, rank), self)
+
+    def status(self) -> None:
+        """Watch arrivals live; Ctrl+C returns and the server keeps running."""
+        from .display import show_status
+
+        show_status(self)
+
+    def ingest_all(
+        self, overwrite: bool = False, namespace: dict[str, Any] | None = None
+    ) -> dict[str, str]:
+        """Bind the newest capture of every name as a variable in the caller's namespace."""
+        from .repl import ingest_into
+
+        return ingest_into(self, overwrite, namespace)
+
+    def help(self) -> None:
+        """List every public function of thing with its signature."""
+        from .display import show_help
+
+        show_help()
+
     # -- connections -------------------------------------------------------------
 
     def _spawn(self, target: Any, name: str, *args: Any) -> None:
@@ -139,23 +171,23 @@ class Server:
                     return
                 log.exception("accept failed; still listening")
                 continue
+            name = _format_address(address)
             with self._lock:
+                # Counted from accept, not from the handshake: peers that connect and
+                # say nothing must not be able to pile up threads.
                 full = len(self._connections) >= self.max_connections
+                if not full:
+                    self._connections[sock] = Sender(name)
             if full:
                 self.refused += 1
                 log.warning(
                     "refused %s: already serving %d clients (THING_MAX_CONNECTIONS)",
-                    _format_address(address),
+                    name,
                     self.max_connections,
                 )
                 sock.close()
                 continue
-            self._spawn(
-                self._serve_connection,
-                f"thing-conn-{_format_address(address)}",
-                sock,
-                _format_address(address),
-            )
+            self._spawn(self._serve_connection, f"thing-conn-{name}", sock, name)
 
     def _serve_connection(self, sock: socket.socket, address: str) -> None:
         sender = Sender(address)
@@ -164,16 +196,14 @@ class Server:
             set_timeouts(sock, self.idle_timeout, self.idle_timeout)
             sender = self._handshake(sock, address)
             with self._lock:
-                if self._closing.is_set():
-                    return
                 self._connections[sock] = sender
-            log.info("client connected: %s (pid %d on %s)", address, sender.pid, sender.hostname)
+            log.debug("client connected: %s (pid %d on %s)", address, sender.pid, sender.hostname)
             while self._wait_readable(sock) and self._receive_frame(sock, sender):
                 pass
         except (HandshakeError, ProtocolError) as exc:
             log.warning("dropped %s: %s", address, exc)
         except (ConnectionError, TimeoutError) as exc:
-            log.info("client %s went away: %s", address, exc)
+            log.debug("client %s went away: %s", address, exc)
         except OSError as exc:
             if not self._closing.is_set():
                 log.warning("connection to %s failed: %s", address, exc)

@@ -1,0 +1,293 @@
+"""What ``thing.catch`` costs the thread that calls it, and a training loop that uses it.
+
+    python benchmarks/overhead.py           # about a minute
+    python benchmarks/overhead.py --quick   # fewer batches and rounds
+
+A ``thing.Server`` runs in another process throughout, so captures are really
+sent; the default client is pointed at it with ``THING_SERVER``.
+
+Per-call costs are timed with ``time.perf_counter_ns`` around a batch of calls
+in a plain ``for`` loop (the loop's own cost is included, for the empty call
+too) and reported as the median over batches of the mean per call, in
+nanoseconds and as a multiple of an empty Python function call timed the same
+way in the same run.
+
+- throttled away: ``thing.catch(x, every=1000)`` on a 64 MiB tensor. Each
+  batch is the 999 calls that ``every=1000`` skips; the one call per cycle it
+  sends is made before the batch, outside the timing, and waited for.
+- enqueued: ``thing.catch(x)`` (name traced from the source) and
+  ``thing.catch(x, name=...)`` of a 64 MiB and of a 4 KiB tensor, in bursts of
+  a few calls; after each burst, outside the timing, the script waits until the
+  server acknowledged every capture of the burst, so the queue is empty when
+  the next burst starts and nothing is dropped (checked).
+- training loop: a small MLP trained with SGD on random data on the CPU, with
+  ``thing.catch(loss)`` every step and ``thing.catch(model.fc1.weight,
+  every=10)``, against the same loop without thing. The two variants run in
+  alternating rounds (ABBA order); the slowdown compares their median
+  per-step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+TIMEOUT = 120.0
+TARGET_THROTTLED_NS = 1_000
+TARGET_ENQUEUED_NS = 10_000
+TARGET_SLOWDOWN = 0.03
+
+
+def noop(obj):
+    """The empty function every per-call cost is compared with."""
+
+
+def median_ns(batches: list[int], calls: int) -> float:
+    return statistics.median(batches) / calls
+
+
+# Each batch function is one call site run ``calls`` times: thing traces a name and keeps
+# its every= count per call site, so the untimed and the timed calls of a case must share it.
+
+def batch_empty(thing, x, calls: int, clock) -> tuple[int, object]:
+    start = clock()
+    for _ in range(calls):
+        handle = noop(x)
+    return clock() - start, handle
+
+
+def batch_throttled(thing, x, calls: int, clock) -> tuple[int, object]:
+    start = clock()
+    for _ in range(calls):
+        handle = thing.catch(x, every=1000)
+    return clock() - start, handle
+
+
+def batch_throttled_named(thing, x, calls: int, clock) -> tuple[int, object]:
+    start = clock()
+    for _ in range(calls):
+        handle = thing.catch(x, name="throttled", every=1000)
+    return clock() - start, handle
+
+
+def batch_enqueued(thing, x, calls: int, clock) -> tuple[int, object]:
+    start = clock()
+    for _ in range(calls):
+        handle = thing.catch(x)
+    return clock() - start, handle
+
+
+def batch_enqueued_named(thing, x, calls: int, clock) -> tuple[int, object]:
+    start = clock()
+    for _ in range(calls):
+        handle = thing.catch(x, name="named")
+    return clock() - start, handle
+
+
+def time_throttled(thing, batch, x, batches: int) -> list[int]:
+    """Batches of the 999 calls in each cycle of 1000 that ``every=1000`` skips."""
+    timings = []
+    for _ in range(batches):
+        # The first call of a cycle is sent: make it untimed and wait until it is stored.
+        _, sent = batch(thing, x, 1, time.perf_counter_ns)
+        if not sent.wait(TIMEOUT):
+            raise RuntimeError(f"the call every=1000 sends was not stored: {sent!r}")
+        elapsed, skipped = batch(thing, x, 999, time.perf_counter_ns)
+        if skipped.wait(0):
+            raise RuntimeError("a call that every=1000 should skip was sent")
+        timings.append(elapsed)
+    return timings
+
+
+def time_enqueued(thing, batch, x, bursts: int, calls: int, server) -> tuple[list[int], int]:
+    """Bursts of ``calls`` catches, each waited for untimed; returns timings and captures lost."""
+    timings = []
+    received = server.ask("count")["received"]
+    for _ in range(bursts):
+        elapsed, last = batch(thing, x, calls, time.perf_counter_ns)
+        timings.append(elapsed)
+        last.wait(TIMEOUT)  # acknowledgements come in order: the whole burst is in
+    lost = received + bursts * calls - server.ask("count")["received"]
+    return timings, lost
+
+
+# -- the training loop -----------------------------------------------------------------
+
+def make_model(torch, width: int):
+    class MLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = torch.nn.Linear(256, width)
+            self.fc2 = torch.nn.Linear(width, width)
+            self.fc3 = torch.nn.Linear(width, 10)
+
+        def forward(self, inputs):
+            hidden = torch.relu(self.fc1(inputs))
+            hidden = torch.relu(self.fc2(hidden))
+            return self.fc3(hidden)
+
+    return MLP()
+
+
+def train_plain(torch, model, optimizer, data, targets, steps: int) -> float:
+    """Seconds per step of the loop without thing."""
+    loss_fn = torch.nn.functional.cross_entropy
+    start = time.perf_counter()
+    for step in range(steps):
+        batch = step % len(data)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(data[batch]), targets[batch])
+        loss.backward()
+        optimizer.step()
+    return (time.perf_counter() - start) / steps
+
+
+def train_caught(thing, torch, model, optimizer, data, targets, steps: int) -> tuple[float, object]:
+    """Seconds per step of the same loop with two catches; and the last loss handle."""
+    loss_fn = torch.nn.functional.cross_entropy
+    start = time.perf_counter()
+    for step in range(steps):
+        batch = step % len(data)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(data[batch]), targets[batch])
+        handle = thing.catch(loss)
+        thing.catch(model.fc1.weight, every=10)
+        loss.backward()
+        optimizer.step()
+    return (time.perf_counter() - start) / steps, handle
+
+
+def measure_training(thing, torch, rounds: int, seconds_per_round: float,
+                     width: int) -> dict:
+    torch.manual_seed(0)
+    model = make_model(torch, width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    data = [torch.randn(128, 256) for _ in range(8)]
+    targets = [torch.randint(0, 10, (128,)) for _ in range(8)]
+
+    # Warm up both variants, then size a round to about seconds_per_round.
+    train_plain(torch, model, optimizer, data, targets, 20)
+    _, handle = train_caught(thing, torch, model, optimizer, data, targets, 20)
+    handle.wait(TIMEOUT)
+    step = train_plain(torch, model, optimizer, data, targets, 50)
+    steps = max(20, int(seconds_per_round / step))
+
+    plain: list[float] = []
+    caught: list[float] = []
+    unstored = 0
+    for index in range(rounds):
+        order = ("plain", "caught") if index % 2 == 0 else ("caught", "plain")
+        for variant in order:
+            if variant == "plain":
+                plain.append(train_plain(torch, model, optimizer, data, targets, steps))
+            else:
+                per_step, handle = train_caught(thing, torch, model, optimizer, data, targets,
+                                                steps)
+                caught.append(per_step)
+                # Untimed: let the last captures of the round drain before the next round.
+                unstored += not handle.wait(TIMEOUT)
+    return {"plain": plain, "caught": caught, "steps": steps, "unstored": unstored}
+
+
+# -- main ------------------------------------------------------------------------------
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer batches and rounds")
+    parser.add_argument("--width", type=int, default=1024,
+                        help="hidden width of the MLP (default 1024)")
+    args = parser.parse_args()
+
+    batches = 50 if args.quick else 200
+    calls = 1000
+    bursts = 10 if args.quick else 30
+    burst = 8
+    rounds = 4 if args.quick else 8
+    seconds_per_round = 0.5 if args.quick else 1.0
+
+    server, port = _common.start_thing_server()
+    # Captures must be sent, not dropped: a queue far larger than any burst.
+    os.environ.update(THING_SERVER=f"127.0.0.1:{port}", THING_QUEUE_BYTES=str(16 << 30),
+                      THING_QUEUE_ITEMS="100000")
+    try:
+        import torch
+
+        import thing
+
+        _common.print_machine("thing overhead benchmark: the caller's thread and a training loop")
+        print(f"A thing server runs in another process (port {port}); captures are really sent.\n")
+
+        big = torch.randn(64 * MiB // 4)
+        small = torch.randn(4 * KiB // 4)
+        x = big
+        first = thing.catch(x, name="warmup")  # connect before anything is timed
+        if not first.wait(TIMEOUT):
+            raise SystemExit(f"could not reach the thing server: {first!r}")
+
+        rows = []
+        timings = [batch_empty(thing, x, calls, time.perf_counter_ns)[0] for _ in range(batches)]
+        empty = median_ns(timings, calls)
+        rows.append(("empty Python function call: noop(x)", empty, None,
+                     f"{batches} batches x {calls} calls"))
+        for label, batch in (("throttled away: thing.catch(x, every=1000), 64 MiB",
+                              batch_throttled),
+                             ("  same with name='throttled'", batch_throttled_named)):
+            timings = time_throttled(thing, batch, big, batches)
+            rows.append((label, median_ns(timings, 999), TARGET_THROTTLED_NS,
+                         f"{batches} batches x 999 calls"))
+        lost_total = 0
+        for size_label, tensor in (("64 MiB", big), ("4 KiB", small)):
+            for call, batch in (("thing.catch(x)", batch_enqueued),
+                                ("thing.catch(x, name='named')", batch_enqueued_named)):
+                timings, lost = time_enqueued(thing, batch, tensor, bursts, burst, server)
+                lost_total += lost
+                rows.append((f"enqueued: {call}, {size_label}", median_ns(timings, burst),
+                             TARGET_ENQUEUED_NS, f"{bursts} bursts x {burst} calls"))
+
+        print("Caller-thread cost per call: median over batches of the mean ns per call "
+              "(loop included)")
+        print(f"  {'':<58} {'ns/call':>9} {'x empty':>8}  {'target':>9}  verdict")
+        for label, ns, target, note in rows:
+            verdict = "" if target is None else ("meets" if ns <= target else "MISSES")
+            target_text = "" if target is None else f"<= {target:,} ns"
+            print(f"  {label:<58} {ns:>9.0f} {ns / empty:>8.1f}  {target_text:>9}  {verdict:<6}"
+                  f"  {note}")
+        if lost_total:
+            print(f"  WARNING: {lost_total} enqueued captures were not stored (dropped or failed)")
+        else:
+            print("  Every enqueued capture was stored by the server (queue never full).")
+        print()
+
+        result = measure_training(thing, torch, rounds, seconds_per_round, args.width)
+        plain = statistics.median(result["plain"])
+        caught = statistics.median(result["caught"])
+        slowdown = caught / plain - 1
+        print(f"Training loop: MLP 256-{args.width}-{args.width}-10, batch 128, SGD, "
+              f"{torch.get_num_threads()} torch threads; {rounds} rounds of {result['steps']} "
+              "steps per variant, ABBA order.")
+        print("  with thing: thing.catch(loss) every step, thing.catch(model.fc1.weight, every=10) "
+              f"({256 * args.width * 4 / MiB:.0f} MiB)")
+        print(f"  {'without thing':<14} median {plain * 1e3:7.3f} ms/step   rounds: "
+              + " ".join(f"{s * 1e3:.3f}" for s in result["plain"]))
+        print(f"  {'with thing':<14} median {caught * 1e3:7.3f} ms/step   rounds: "
+              + " ".join(f"{s * 1e3:.3f}" for s in result["caught"]))
+        verdict = "meets" if slowdown <= TARGET_SLOWDOWN else "MISSES"
+        print(f"  slowdown {slowdown * 100:+.2f}% ({(caught - plain) * 1e6:+.0f} us/step); "
+              f"target <= {TARGET_SLOWDOWN:.0%}: {verdict}")
+        if result["unstored"]:
+            print(f"  WARNING: the last loss capture of {result['unstored']} rounds was not stored")
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The ``thing`` command: ``thing serve`` driven through a pseudo-terminal, ``thing demo``."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from .conftest import run_script, script_env
+
+pexpect = pytest.importorskip("pexpect")
+
+# pexpect forks to open the terminal and the child execs at once, so the threads of this
+# process (jax's, if a test imported it) cannot deadlock it.
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+
+
+def spawn_serve(tmp_path, *args: str):
+    """``python -m thing serve ARGS`` in a pseudo-terminal; returns it and the port it serves.
+
+    ``THING_PORT=0`` makes it pick a free port, which its log line then names.
+    """
+    env = script_env(THING_PORT="0", IPYTHONDIR=str(tmp_path / "ipython"), COLUMNS="160")
+    child = pexpect.spawn(sys.executable, ["-m", "thing", "serve", *args], env=env,
+                          cwd=str(tmp_path), encoding="utf-8", timeout=30, dimensions=(40, 160))
+    child.expect(r"Server started at port (\d+)\.")
+    return child, int(child.match.group(1))
+
+
+def catch_from_another_process(port: int) -> None:
+    run_script("""
+        import thing, numpy as np
+        assert thing.catch(np.arange(3), name="model.w").wait(10)
+    """, port=port)
+
+
+@pytest.mark.parametrize("shell", ["ipython", "plain"])
+def test_serve_opens_a_session_that_receives(tmp_path, shell: str) -> None:
+    if shell == "ipython":
+        pytest.importorskip("IPython")
+    child, port = spawn_serve(tmp_path, *(["--plain"] if shell == "plain" else []))
+    try:
+        child.expect_exact(f"thing is receiving at 127.0.0.1:{port}")
+        for command in ("thing.summary()", "thing.get('loss')", "thing.ingest_all()"):
+            child.expect_exact(command)
+        child.expect(r"In \[|>>> ")  # the prompt
+        catch_from_another_process(port)
+        child.sendline("print('got', thing.get('model.w').tolist())")
+        child.expect_exact("got [0, 1, 2]")
+        child.sendline("thing.ingest_all()")
+        child.expect_exact("bound 1 variable: model_w ('model.w')")
+        child.sendline("print('sum', int(model_w.sum()))")
+        child.expect_exact("sum 3")
+        child.sendline("thing.get('model.x')")
+        child.expect_exact("did you mean 'model.w'")
+        child.sendline("exit()")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+def test_serve_on_a_busy_port_exits_with_one_clear_line() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "thing", "serve", "--port", str(port)],
+                                env=script_env(), capture_output=True, text=True, timeout=60,
+                                stdin=subprocess.DEVNULL)
+    assert result.returncode == 1
+    assert f"thing: Port {port} is already in use" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_demo_with_numpy_shows_what_arrived() -> None:
+    result = subprocess.run([sys.executable, "-m", "thing", "demo", "--numpy", "--steps", "30"],
+                            env=script_env(COLUMNS="160"), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "training a small numpy model" in out
+    assert ">>> thing.summary()" in out and ">>> thing.describe('model.hidden.weight')" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert rows["loss"][1:4] == ["()", "float32", "numpy"]
+    assert rows["loss"][5] == "30"  # every step
+    assert rows["model.hidden.weight"][1:5] == ["(16,", "4)", "float32", "numpy"]
+    assert rows["model.hidden.weight"][5] == "3"  # every 10 steps
+    assert rows["activations"][1:3] == ["dict", "of"]
+    assert "['hidden']" in out and "['prediction']" in out and "L2 norm" in out
+
+
+def test_demo_with_torch_when_installed() -> None:
+    pytest.importorskip("torch")
+    out = run_script("""
+        import sys
+        from thing.cli import main
+        sys.exit(main(["demo", "--steps", "20"]))
+    """, timeout=120, COLUMNS="160")
+    assert "training a small torch model" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert rows["loss"][1:4] == ["()", "float32", "torch"]
+    assert rows["model.hidden.weight"][1:5] == ["(16,", "4)", "float32", "torch"]
+    assert "activations" in rows
+
+
+def test_thing_without_a_command_prints_usage() -> None:
+    result = subprocess.run([sys.executable, "-m", "thing"], env=script_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "serve" in result.stdout and "demo" in result.stdout
+
+
+@pytest.mark.skipif(shutil.which("thing") is None, reason="the console script is not installed")
+def test_the_console_script_is_the_same_command() -> None:
+    result = subprocess.run(["thing", "serve", "--help"], env=script_env(), capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0
+    assert "--port" in result.stdout and "--host" in result.stdout
+
+
+def test_main_returns_an_exit_status_in_process() -> None:
+    out = run_script(textwrap.dedent("""
+        from thing.cli import main
+        try:
+            main(["--help"])
+        except SystemExit as exit:
+            print("exit", exit.code)
+    """))
+    assert "usage: thing" in out and "exit 0" in out

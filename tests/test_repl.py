@@ -1,0 +1,512 @@
+"""The REPL functions (thing.get, thing.summary, ...) on a real server fed by client processes."""
+
+from __future__ import annotations
+
+import math
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import thing
+import thing.display
+import thing.repl
+from thing.store import RECORD_BYTES, HistoryStore, Sender
+
+from .conftest import run_script, script_env, start_script
+
+
+@pytest.fixture
+def default(server: thing.Server, monkeypatch: pytest.MonkeyPatch) -> thing.Server:
+    """The conftest server, installed as the one thing.serve() would have started."""
+    monkeypatch.setattr(thing.repl, "_server", server)
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps tables at 80 columns when not in a terminal
+    return server
+
+
+@pytest.fixture
+def no_default(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No default server before the test; whatever it starts is closed after it."""
+    monkeypatch.setattr(thing.repl, "_server", None)
+    yield
+    if thing.repl._server is not None:
+        thing.repl._server.close()
+
+
+def send(port: int, code: str) -> str:
+    """Run client ``code`` (thing and numpy imported) in a fresh process; return its stdout."""
+    return run_script("import thing\nimport numpy as np\n" + textwrap.dedent(code), port=port)
+
+
+# -- serve --------------------------------------------------------------------------------
+
+
+def test_functions_before_serve_say_to_call_serve(no_default: None) -> None:
+    for call in (lambda: thing.get("loss"), lambda: thing.get_all("loss"), thing.summary,
+                 lambda: thing.describe("loss"), thing.status, thing.ingest_all, thing.clear,
+                 lambda: thing.wait("loss", 1)):
+        with pytest.raises(thing.NotServing, match=r"call thing\.serve\(\) first"):
+            call()
+
+
+def test_serve_starts_once_and_logs_its_port(no_default: None, caplog) -> None:
+    caplog.set_level("INFO", logger="thing")
+    server = thing.serve(port=0)
+    assert server.running and server.port > 0
+    assert f"Server started at port {server.port}." in caplog.text
+    assert thing.serve() is server
+    assert thing.serve(port=0) is server
+    assert "already running" in caplog.text
+    # The REPL stays usable: serve() returned while the server receives in the background.
+    send(server.port, "assert thing.catch(np.arange(3), name='a').wait(10)")
+    assert thing.get("a").tolist() == [0, 1, 2]
+
+
+def test_serve_on_a_busy_port_says_so_in_one_sentence(no_default: None) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(thing.ThingError) as error:
+            thing.serve(port=port)
+    message = str(error.value)
+    assert message.startswith(f"Port {port} is already in use")
+    assert "try thing.serve(port=" in message
+    assert message.count(". ") == 0 and "\n" not in message
+    assert error.value.__cause__ is None and error.value.__suppress_context__
+    assert thing.repl._server is None
+
+
+# -- get, get_all, wait, clear ------------------------------------------------------------
+
+
+def test_get_by_name_index_and_id(default: thing.Server) -> None:
+    out = send(default.port, """
+        for i in range(3):
+            handle = thing.catch(np.arange(4, dtype=np.float32) + i, name="w")
+            assert handle.wait(10)
+            print(handle.id)
+    """)
+    ids = [int(line) for line in out.split()]
+    newest = thing.get("w")
+    assert newest.dtype == np.float32 and newest.tolist() == [2, 3, 4, 5]
+    assert thing.get("w", 1).tolist() == [1, 2, 3, 4]
+    assert thing.get("w", index=2).tolist() == [0, 1, 2, 3]
+    assert thing.get("w", -1).tolist() == [0, 1, 2, 3]
+    assert thing.get(ids[1]).tolist() == [1, 2, 3, 4]
+    # The very array that was received into, not a copy.
+    assert thing.get("w") is thing.get(ids[2]) is default.store.get("w").value
+    with pytest.raises(IndexError):
+        thing.get("w", 3)
+
+
+def test_get_returns_containers_as_sent(default: thing.Server) -> None:
+    send(default.port, """
+        value = {"h": [np.arange(2), (1.5, "x")], "n": None, "deep": {"k": [True]}}
+        assert thing.catch(value, name="tree").wait(10)
+    """)
+    value = thing.get("tree")
+    assert list(value) == ["h", "n", "deep"]
+    assert isinstance(value["h"], list) and isinstance(value["h"][1], tuple)
+    assert value["h"][0].tolist() == [0, 1] and value["h"][1] == (1.5, "x")
+    assert value["n"] is None and value["deep"] == {"k": [True]}
+
+
+def test_get_of_an_unknown_name_lists_the_closest(default: thing.Server) -> None:
+    send(default.port, """
+        for name in ("loss", "lr", "model.lm_head.weight"):
+            assert thing.catch(1.0, name=name).wait(10)
+    """)
+    with pytest.raises(KeyError, match="did you mean 'loss'"):
+        thing.get("lss")
+    with pytest.raises(KeyError, match="'model.lm_head.weight'"):
+        thing.get("lm_head.weight")
+
+
+def test_get_all_is_oldest_to_newest(default: thing.Server) -> None:
+    send(default.port, """
+        for i in range(5):
+            assert thing.catch(np.full(3, i, np.int16), name="h").wait(10)
+    """)
+    history = thing.get_all("h")
+    assert [int(a[0]) for a in history] == [0, 1, 2, 3, 4]
+    assert all(a.dtype == np.int16 for a in history)
+
+
+def test_wait_returns_the_next_capture(default: thing.Server) -> None:
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        thing.wait("tick", timeout=0.2)
+    assert time.monotonic() - started < 5
+    result: list = []
+    waiter = threading.Thread(target=lambda: result.append(thing.wait("tick", timeout=30)))
+    waiter.start()
+    # Keep sending until the waiter has what it waited for: no guess of when it started waiting.
+    sender = start_script("""
+        import time, thing, numpy as np
+        while True:
+            thing.catch(np.array([7, 8]), name="tick").wait(10)
+            time.sleep(0.05)
+    """, port=default.port)
+    try:
+        waiter.join(timeout=60)
+    finally:
+        sender.kill()
+        sender.communicate()
+    assert result and result[0].tolist() == [7, 8]
+
+
+def test_clear_one_name_or_everything(default: thing.Server) -> None:
+    send(default.port, """
+        for name in ("a", "a", "b"):
+            assert thing.catch(np.arange(2), name=name).wait(10)
+    """)
+    assert thing.clear("a") == 2
+    with pytest.raises(KeyError):
+        thing.get("a")
+    assert thing.get("b").tolist() == [0, 1]
+    assert thing.clear() == 1
+    assert len(default.store) == 0
+
+
+# -- ingest_all -------------------------------------------------------------------------------
+
+
+NAMES = ("loss", "model.lm_head.weight", "h[3]", "class", "3d", "h.3")
+
+
+def test_identifier_rule() -> None:
+    rule = thing.repl.identifier_for
+    assert [rule(name) for name in NAMES] == [
+        "loss", "model_lm_head_weight", "h_3", "_class", "_3d", "h_3"]
+    assert rule("<module>:12") == "module_12"
+    assert rule("...") == "_"
+    assert rule("ß.x") == "ß_x"
+
+
+def test_ingest_all_binds_sanitised_names_and_keeps_existing(default: thing.Server,
+                                                            capsys) -> None:
+    send(default.port, f"""
+        for i, name in enumerate({NAMES!r}):
+            assert thing.catch(np.array([i]), name=name).wait(10)
+    """)
+    namespace = {"loss": "mine"}
+    bound = thing.ingest_all(namespace=namespace)
+    assert bound == {"model_lm_head_weight": "model.lm_head.weight", "h_3": "h[3]",
+                     "_class": "class", "_3d": "3d"}
+    assert namespace["loss"] == "mine"
+    assert namespace["model_lm_head_weight"] is thing.get("model.lm_head.weight")
+    assert namespace["h_3"].tolist() == [2]  # h[3] arrived first; h.3 would clash with it
+    printed = capsys.readouterr().out
+    assert "bound 4 variables" in printed and "_class ('class')" in printed
+    assert "kept 1 existing variable" in printed and "loss" in printed
+    assert "'h.3'" in printed  # the clash is reported, not silently dropped
+
+    bound = thing.ingest_all(overwrite=True, namespace=namespace)
+    assert bound["loss"] == "loss" and namespace["loss"].tolist() == [0]
+
+
+def test_ingest_all_defaults_to_the_callers_globals(default: thing.Server) -> None:
+    send(default.port, "assert thing.catch(np.arange(2), name='zz.ingested').wait(10)")
+    try:
+        thing.ingest_all()
+        assert globals()["zz_ingested"].tolist() == [0, 1]
+    finally:
+        globals().pop("zz_ingested", None)
+
+
+# -- summary and describe -------------------------------------------------------------------
+
+
+def test_summary_shows_each_name_and_the_counts(default: thing.Server, capsys) -> None:
+    send(default.port, """
+        import torch
+        assert thing.catch(np.float32(0.25), name="loss").wait(10)
+        assert thing.catch(torch.ones(16, 4, dtype=torch.bfloat16), name="lm.weight").wait(10)
+        assert thing.catch({"a": np.arange(3), "b": [torch.zeros(2)]}, name="acts").wait(10)
+        assert thing.catch(np.float32(0.125), name="loss").wait(10)
+    """)
+    default.store.reserve(0)
+    default.store.add(None, 1.0, (), 0, Sender("x:1", "elsewhere", 42))
+    thing.summary()
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "0.125" in lines["loss"] and "float32" in lines["loss"] and " 2 " in lines["loss"]
+    assert "(16, 4)" in lines["lm.weight"] and "bfloat16" in lines["lm.weight"]
+    assert "torch" in lines["lm.weight"]
+    assert "dict of 2" in lines["acts"]
+    assert f"{socket.gethostname()}:" in lines["loss"]
+    assert "1 unnamed" in out and "0 evicted" in out and "5 captures kept" in out
+
+    thing.summary(max_items=1)
+    out = capsys.readouterr().out
+    assert "loss" in out and "lm.weight" not in out and "2 more names" in out
+
+
+def test_summary_marks_captures_modified_during_send(default: thing.Server, capsys) -> None:
+    default.store.reserve(4)
+    default.store.add("torn", np.zeros(1, np.float32), (), 4, Sender("x:1"),
+                      modified_during_send=True)
+    thing.summary()
+    out = capsys.readouterr().out
+    assert "torn !" in out and "changed while being sent" in out
+
+
+def test_summary_of_an_empty_server(default: thing.Server, capsys) -> None:
+    thing.summary()
+    assert "nothing received yet" in capsys.readouterr().out
+
+
+def test_eviction_under_a_byte_cap_with_a_real_client(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    store = HistoryStore(max_bytes=3 * (4000 + RECORD_BYTES) + 100)
+    with thing.Server(port=0, store=store) as server:
+        monkeypatch.setattr(thing.repl, "_server", server)
+        out = send(server.port, """
+            for i in range(5):
+                assert thing.catch(np.full(1000, i, np.float32), name="w").wait(10)
+            too_big = thing.catch(np.zeros(100_000, np.float32), name="huge")
+            print(too_big.wait(10), too_big.error)
+            assert thing.catch(np.full(1000, 9, np.float32), name="w").wait(10)
+        """)
+        assert out.startswith("False") and "cap" in out
+        assert [int(a[0]) for a in thing.get_all("w")] == [3, 4, 9]
+        assert store.evicted == 3 and store.rejected == 1
+        assert store.held_bytes <= store.max_bytes
+        thing.summary()
+        printed = capsys.readouterr().out
+        assert "3 evicted" in printed and "1 refused" in printed
+
+
+def test_describe_a_tensor_with_nan_and_inf(default: thing.Server, capsys) -> None:
+    send(default.port, """
+        import torch
+        x = torch.tensor([1.0, -2.0, 3.5, float("nan"), float("inf"), 0.5], dtype=torch.bfloat16)
+        assert thing.catch(x * 2, name="x").wait(10)
+        assert thing.catch(x, name="x").wait(10)
+    """)
+    thing.describe("x")
+    out = capsys.readouterr().out
+    fields = dict(line.split(None, 1) for line in out.splitlines()[1:]
+                  if line.strip() and len(line.split(None, 1)) == 2)
+    finite = np.array([1.0, -2.0, 3.5, 0.5])
+    assert fields["dtype"].strip() == "bfloat16" and fields["framework"].strip() == "torch"
+    assert fields["min"].strip() == "-2" and fields["max"].strip() == "3.5"
+    assert fields["mean"].startswith(f"{finite.mean():.6g} (over the 4 finite values)")
+    assert fields["std"].startswith(f"{finite.std():.6g}")
+    assert fields["NaN"].strip() == "1" and fields["Inf"].strip() == "1"
+    assert "L2 norm" in out and f"{np.linalg.norm(finite):.6g}" in out
+    assert "2 kept; this is the newest" in out
+    assert f"host {socket.gethostname()}, pid " in out
+    assert "call site" in out and "modified during send" in out
+
+
+def test_describe_a_container_describes_each_array(default: thing.Server, capsys) -> None:
+    send(default.port, """
+        acts = {"hidden": np.arange(6, dtype=np.float64).reshape(2, 3), "out": [np.ones(2)]}
+        assert thing.catch(acts, name="acts").wait(10)
+    """)
+    thing.describe("acts")
+    out = capsys.readouterr().out
+    hidden = next(line for line in out.splitlines() if "['hidden']" in line).split()
+    assert hidden[1:3] == ["(2,", "3)"] and hidden[3:5] == ["float64", "numpy"]
+    assert hidden[5:8] == ["0", "5", "2.5"]
+    assert any("['out'][0]" in line for line in out.splitlines())
+
+
+def test_describe_by_id_and_of_a_scalar(default: thing.Server, capsys) -> None:
+    out = send(default.port, """
+        handle = thing.catch(0.5, name="lr")
+        assert handle.wait(10)
+        print(handle.id)
+    """)
+    thing.describe(int(out))
+    printed = capsys.readouterr().out
+    assert "lr" in printed and "0.5" in printed and "python" in printed
+
+
+# -- array statistics --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "uint8", "bool", "float16"])
+def test_array_stats_match_numpy_across_chunks(dtype: str, monkeypatch) -> None:
+    monkeypatch.setattr(thing.display, "STATS_CHUNK", 1000)  # several chunks to merge
+    rng = np.random.default_rng(1)
+    values = (rng.normal(3, 2, 4567) * 10).astype(dtype)
+    stats = thing.display.array_stats(values)
+    exact = values.astype(np.float64)
+    assert stats.count == stats.finite == values.size and stats.nan == stats.inf == 0
+    assert stats.min == exact.min() and stats.max == exact.max()
+    assert math.isclose(stats.mean, exact.mean(), rel_tol=1e-12)
+    assert math.isclose(stats.std, exact.std(), rel_tol=1e-9)
+    assert math.isclose(stats.norm, np.linalg.norm(exact), rel_tol=1e-12)
+
+
+def test_array_stats_of_torch_jax_bfloat16_and_raw_bits() -> None:
+    import jax.numpy as jnp
+    import ml_dtypes
+    import torch
+
+    reference = np.array([1.0, -2.0, 3.5, 0.25])
+    for value in (torch.tensor(reference, dtype=torch.bfloat16),
+                  torch.tensor(reference).reshape(2, 2),
+                  jnp.asarray(reference, dtype=jnp.bfloat16),
+                  reference.astype(ml_dtypes.bfloat16),
+                  reference.astype(ml_dtypes.bfloat16).view(np.uint16)):
+        spec = thing.arrays.LeafSpec("numpy", "bfloat16", (4,))
+        stats = thing.display.array_stats(value, spec)
+        assert (stats.min, stats.max, stats.mean) == (-2.0, 3.5, reference.mean()), value
+    big = np.array([2**62 + 1, -5], np.int64)
+    assert thing.display.array_stats(big).max == 2**62 + 1  # exact, not rounded via float64
+    complex_stats = thing.display.array_stats(np.array([3 + 4j, 0j]))
+    assert complex_stats.magnitude and complex_stats.max == 5.0
+    empty = thing.display.array_stats(np.zeros((0, 3)))
+    assert empty.count == 0 and empty.min is None
+    assert thing.display.array_stats(b"bytes") is None
+
+
+# -- status -----------------------------------------------------------------------------------
+
+
+STATUS_SCRIPT = """
+    import thing
+    server = thing.serve(port=0)
+    print("PORT", server.port, flush=True)
+    thing.status()
+    print("after status: running", server.running, flush=True)
+    print("waited for", thing.wait("after", timeout=60).tolist(), flush=True)
+"""
+
+
+class Lines:
+    """The stdout of a process, line by line, read on a thread so waiting for one can time out."""
+
+    def __init__(self, process: subprocess.Popen):
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, args=(process.stdout,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def until(self, text: str, timeout: float = 30) -> str:
+        """The lines up to and including the first that contains ``text``."""
+        deadline = time.monotonic() + timeout
+        seen: list[str] = []
+        while True:
+            try:
+                line = self._lines.get(timeout=max(deadline - time.monotonic(), 0))
+            except queue.Empty:
+                line = None
+            if line is None:
+                raise AssertionError(f"{text!r} not seen within {timeout} s:\n{''.join(seen)}")
+            seen.append(line)
+            if text in line:
+                return "".join(seen)
+
+
+def test_status_shows_arrivals_and_returns_on_ctrl_c(tmp_path) -> None:
+    watcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent(STATUS_SCRIPT)],
+                               env=script_env(COLUMNS="200"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    sender = None
+    lines = Lines(watcher)
+    try:
+        port = int(lines.until("PORT").split()[-1])
+        lines.until("press Ctrl+C to stop")
+        send(port, "assert thing.catch(np.arange(3), name='during').wait(10)")
+        arrival = lines.until("during")
+        assert "(3,)" in arrival and "int64" in arrival
+        watcher.send_signal(signal.SIGINT)
+        lines.until("Stopped watching; the server is still running")
+        lines.until("after status: running True")
+        # The server still receives after status() returned.
+        sender = start_script("""
+            import time, thing, numpy as np
+            while True:
+                thing.catch(np.array([4, 2]), name="after").wait(10)
+                time.sleep(0.05)
+        """, port=port)
+        lines.until("waited for [4, 2]")
+        assert watcher.wait(timeout=30) == 0
+    finally:
+        if sender is not None:
+            sender.kill()
+            sender.communicate()
+        if watcher.poll() is None:
+            watcher.kill()
+        watcher.wait(timeout=30)
+        watcher.stderr.close()
+
+
+# pexpect forks to open the terminal; the child execs at once, so jax's threads (if another
+# test imported jax) cannot deadlock it.
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_status_live_view_in_a_terminal_returns_on_ctrl_c() -> None:
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, ["-c", textwrap.dedent(STATUS_SCRIPT)],
+                          env=script_env(), encoding="utf-8", timeout=30, dimensions=(40, 160))
+    try:
+        child.expect(r"PORT (\d+)")
+        port = int(child.match.group(1))
+        child.expect("Ctrl\\+C to stop watching")  # the spinner line of the live view
+        child.expect("waiting for the first capture")
+        send(port, "assert thing.catch(np.arange(3), name='live_one').wait(10)")
+        child.expect("live_one")
+        child.sendintr()
+        child.expect("Stopped watching; the server is still running at port")
+        child.expect("after status: running True")
+    finally:
+        child.close(force=True)
+
+
+# -- help ---------------------------------------------------------------------------------
+
+
+def test_help_lists_every_public_function_and_class(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    thing.help()
+    out = capsys.readouterr().out
+    for name in thing.__all__:
+        obj = getattr(thing, name)
+        if callable(obj):
+            assert f"thing.{name}" in out, name
+    for function in ("catch", "serve", "get", "get_all", "ingest_all", "summary", "status",
+                     "describe", "wait", "clear", "help"):
+        line = next(line for line in out.splitlines() if line.startswith(f"thing.{function}("))
+        assert line.rstrip().endswith(")"), line
+    assert "thing.get(name_or_id, index=0, rank=None)" in out
+    assert "The newest capture of a name" in out
+    assert out.index("thing.catch(") < out.index("thing.serve(") < out.index("thing.Server(")
+
+
+def test_rich_is_loaded_only_when_something_is_shown() -> None:
+    out = run_script("""
+        import sys, thing
+        thing.serve(port=0)
+        before = "rich" in sys.modules
+        thing.summary()
+        print(before, "rich" in sys.modules)
+    """)
+    assert out.split()[-2:] == ["False", "True"]
+
+
+def test_plain_text_without_rich(monkeypatch, default: thing.Server, capsys) -> None:
+    monkeypatch.setattr(thing.display, "_rich", lambda: None)
+    send(default.port, "assert thing.catch(np.arange(3.0), name='plain').wait(10)")
+    thing.summary()
+    thing.describe("plain")
+    thing.help()
+    out = capsys.readouterr().out
+    assert "plain" in out and "(3,)" in out and "L2 norm" in out and "thing.catch(" in out
+

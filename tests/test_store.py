@@ -1,0 +1,253 @@
+"""Tests of the history store on its own: ordering, ids, the byte cap, eviction, threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from thing.arrays import LeafSpec
+from thing.errors import LimitExceeded
+from thing.store import RECORD_BYTES, HistoryStore, Sender
+
+SENDER = Sender("127.0.0.1:1", "host", 1)
+
+
+def put(store: HistoryStore, name: str | None, nbytes: int = 8, fill: int = 0, **details):
+    """Receive one uint8 array of ``nbytes`` into ``store`` the way the server does."""
+    store.reserve(nbytes)
+    value = np.full(nbytes, fill, np.uint8)
+    spec = LeafSpec("numpy", "uint8", (nbytes,))
+    return store.add(name, value, (spec,), nbytes, SENDER, **details)
+
+
+def cost(nbytes: int) -> int:
+    """What one ``put`` of ``nbytes`` holds against the cap."""
+    return nbytes + RECORD_BYTES
+
+
+def test_get_by_name_index_and_id() -> None:
+    store = HistoryStore(max_bytes=1 << 20)
+    first, second, third = (put(store, "w", fill=i) for i in range(3))
+    assert store.get("w") is third
+    assert store.get("w", 1) is second
+    assert store.get("w", 2) is first
+    assert store.get("w", -1) is first  # negative: counted from the oldest
+    assert store.get("w", -3) is third
+    assert store.get(second.id) is second
+    assert store.get(np.int64(second.id)) is second
+    with pytest.raises(IndexError, match="3 kept versions"):
+        store.get("w", 3)
+    with pytest.raises(KeyError, match="no capture with id 99"):
+        store.get(99)
+    with pytest.raises(TypeError):
+        store.get(1.5)
+
+
+def test_get_returns_the_stored_array_itself() -> None:
+    store = HistoryStore(max_bytes=1 << 20)
+    capture = put(store, "w")
+    assert store.get("w").value is capture.value
+    assert store.get_all("w")[0].value is capture.value
+
+
+def test_get_all_is_oldest_to_newest_and_filters_by_rank() -> None:
+    store = HistoryStore(max_bytes=1 << 20)
+    ids = []
+    for i in range(4):
+        store.reserve(0)
+        sender = Sender("a", "h", 1, rank=i % 2, world_size=2)
+        ids.append(store.add("x", float(i), (), 0, sender).id)
+    assert [c.id for c in store.get_all("x")] == ids
+    assert [c.value for c in store.get_all("x", rank=1)] == [1.0, 3.0]
+    assert store.get("x", rank=0).value == 2.0
+    with pytest.raises(KeyError, match="rank"):
+        store.get_all("x", rank=5)
+
+
+def test_unknown_name_lists_the_closest_names() -> None:
+    store = HistoryStore(max_bytes=1 << 20)
+    with pytest.raises(KeyError, match="nothing has been received yet"):
+        store.get("loss")
+    for name in ("loss", "lm_head.weight", "model.lm_head.weight", "acc"):
+        put(store, name)
+    with pytest.raises(KeyError, match="did you mean 'loss'"):
+        store.get("lss")
+    with pytest.raises(KeyError) as error:
+        store.get("weight")
+    assert "'lm_head.weight'" in str(error.value) and "'model.lm_head.weight'" in str(error.value)
+    with pytest.raises(KeyError, match="known names: 'loss'"):
+        store.get("zzzzzz")
+
+
+def test_eviction_drops_the_oldest_first_and_counts() -> None:
+    store = HistoryStore(max_bytes=3 * cost(1000) + 100)
+    captures = [put(store, name, 1000) for name in ("a", "b", "a", "c", "b")]
+    assert store.evicted == 2
+    assert [c.id for c in store.recent(10)] == [c.id for c in reversed(captures[2:])]
+    assert [c.id for c in store.get_all("a")] == [captures[2].id]
+    assert store.held_bytes == 3 * cost(1000)
+    with pytest.raises(KeyError):
+        store.get(captures[0].id)
+    overview = store.overview()
+    assert (overview.evicted, overview.captures, overview.received) == (2, 3, 5)
+
+
+def test_a_name_whose_versions_were_all_evicted_disappears() -> None:
+    store = HistoryStore(max_bytes=2 * cost(1000) + 100)
+    put(store, "old", 1000)
+    put(store, "new", 1000)
+    put(store, "new", 1000)
+    assert store.names() == ["new"]
+    with pytest.raises(KeyError, match="did you mean 'new'|known names"):
+        store.get("old")
+
+
+def test_max_versions_keeps_the_newest_of_each_name() -> None:
+    store = HistoryStore(max_bytes=1 << 20, max_versions=2)
+    for i in range(5):
+        put(store, "w", fill=i)
+        put(store, "other", fill=i)
+    assert [int(c.value[0]) for c in store.get_all("w")] == [3, 4]
+    assert [int(c.value[0]) for c in store.get_all("other")] == [3, 4]
+    assert store.evicted == 6
+    assert store.held_bytes == 4 * cost(8)
+    with pytest.raises(ValueError):
+        HistoryStore(max_versions=0)
+
+
+def test_a_capture_larger_than_the_cap_is_refused_and_evicts_nothing() -> None:
+    store = HistoryStore(max_bytes=cost(1000) * 2)
+    kept = put(store, "small", 1000)
+    with pytest.raises(LimitExceeded, match="larger than the store's cap"):
+        store.reserve(cost(1000) * 2)
+    assert store.rejected == 1
+    assert store.get("small") is kept
+    assert store.held_bytes == cost(1000)
+
+
+def test_reservations_are_accounted_and_released() -> None:
+    store = HistoryStore(max_bytes=10_000)
+    store.reserve(4000)
+    store.reserve(4000)
+    assert store.held_bytes == 8000
+    # Captures still being received cannot be evicted: no room for a third.
+    with pytest.raises(LimitExceeded, match="still being received"):
+        store.reserve(4000)
+    store.release(4000)
+    store.release(4000)
+    assert store.held_bytes == 0
+    put(store, "x", 4000)
+    assert store.held_bytes == cost(4000)
+    assert store.clear() == 1
+    assert store.held_bytes == 0
+
+
+def test_tiny_header_only_captures_are_bounded_too() -> None:
+    store = HistoryStore(max_bytes=100 * RECORD_BYTES)
+    for i in range(1000):
+        store.reserve(0)
+        store.add("note", "x" * 100 + str(i), (), 0, SENDER)
+    assert store.held_bytes <= store.max_bytes
+    assert 10 < len(store) < 100
+    assert store.evicted == 1000 - len(store)
+    assert store.get("note").value.endswith("999")
+
+
+def test_clear_one_name_or_everything() -> None:
+    store = HistoryStore(max_bytes=1 << 20)
+    put(store, "a")
+    put(store, "a")
+    put(store, "b")
+    put(store, None)
+    assert store.clear("a") == 2
+    assert store.names() == ["b"]
+    with pytest.raises(KeyError):
+        store.clear("a")
+    assert store.clear() == 2
+    assert len(store) == 0 and store.held_bytes == 0
+    assert store.evicted == 0  # cleared on purpose is not evicted
+    assert store.overview().received == 4
+
+
+def test_overview_lists_the_most_recently_updated_names_first() -> None:
+    store = HistoryStore(max_bytes=1 << 20)
+    for name in ("a", "b", "c", "a"):
+        put(store, name)
+    put(store, None)
+    put(store, "b", modified_during_send=True)
+    overview = store.overview(2)
+    assert [(c.name, n) for c, n in overview.names] == [("b", 2), ("a", 2)]
+    assert overview.name_count == 3
+    assert overview.unnamed == 1
+    assert overview.modified_during_send == 1
+    assert [c.name for c, _ in store.overview().names] == ["b", "a", "c"]
+
+
+def test_wait_returns_the_next_capture_or_times_out() -> None:
+    store = HistoryStore(max_bytes=1 << 20)
+    put(store, "x")
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="'x' within 0.2 s"):
+        store.wait("x", timeout=0.2)
+    assert time.monotonic() - started < 5
+    before = store.received - 1
+    writer = threading.Thread(target=lambda: put(store, "x", fill=7))
+    writer.start()
+    assert int(store.wait("x", timeout=30, after=before).value[0]) == 7
+    writer.join()
+    assert store.wait_for_arrival(store.received - 1, 0.01)
+    assert not store.wait_for_arrival(store.received, 0.01)
+
+
+def test_concurrent_receivers_and_readers_keep_the_books_straight() -> None:
+    store = HistoryStore(max_bytes=50 * cost(1000))
+    writers, per_writer = 4, 300
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def write(index: int) -> None:
+        try:
+            for i in range(per_writer):
+                put(store, f"w{index}", 1000, fill=i % 256)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                for name in store.names():
+                    try:
+                        history = store.get_all(name)
+                        store.get(name, 0)
+                    except KeyError:  # evicted meanwhile
+                        continue
+                    ids = [c.id for c in history]
+                    assert ids == sorted(ids)
+                store.overview(3)
+                store.recent(5)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for thread in readers + threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    stop.set()
+    for thread in readers:
+        thread.join(timeout=60)
+    assert errors == []
+    total = writers * per_writer
+    assert store.received == total
+    assert len(store) + store.evicted == total
+    assert len(store) == 50
+    assert store.held_bytes == 50 * cost(1000)
+    # Every kept capture's bytes are the ones written for it.
+    for name in store.names():
+        for capture in store.get_all(name):
+            assert capture.value.nbytes == 1000
+            assert np.all(capture.value == capture.value[0])
