@@ -15,6 +15,7 @@ import pytest
 import thing
 import thing.client
 import thing.server
+import thing.wire
 from thing._core import fallback
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,9 +29,10 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     with :func:`run_script` get ``THING_PUREPYTHON`` accordingly.
     """
     if request.param == "python":
-        for module in (thing.client, thing.server):
-            monkeypatch.setattr(module, "send_buffers", fallback.send_buffers)
-            monkeypatch.setattr(module, "recv_buffers", fallback.recv_buffers)
+        for module in (thing.client, thing.server, thing.wire):
+            for name in ("send_buffers", "recv_buffers"):
+                if hasattr(module, name):
+                    monkeypatch.setattr(module, name, getattr(fallback, name))
         monkeypatch.setenv("THING_PUREPYTHON", "1")
     else:
         monkeypatch.delenv("THING_PUREPYTHON", raising=False)

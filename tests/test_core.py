@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import platform
 import signal
 import socket
 import sys
@@ -187,6 +188,25 @@ def test_receiving_side_sends_while_other_thread_receives(core, pair) -> None:
     assert np.array_equal(in_left, out_right)
 
 
+def test_buffers_are_pinned_while_the_gil_is_released(core, pair) -> None:
+    """The send holds a view of each buffer: it cannot be resized or freed mid-transfer."""
+    left, right = pair
+    size = 64 << 20  # far more than the kernel buffers: the send blocks part way
+    payload = bytearray(b"\x5a" * size)
+    sending = Background(lambda: core.send_buffers(left, [payload]))
+    right.settimeout(10)
+    assert right.recv(1, socket.MSG_PEEK) == b"\x5a"  # the transfer is under way
+    right.settimeout(None)
+    set_timeouts(right, 20, 20)
+    with pytest.raises(BufferError):
+        payload.extend(b"more")  # "Existing exports of data: object cannot be re-sized"
+    target = np.empty(size, np.uint8)
+    assert core.recv_buffers(right, [target]) == size
+    assert sending.result(60) == size
+    assert (target == 0x5A).all()
+    payload.extend(b"more")  # released once the call returned
+
+
 # -- refusing bad buffers -----------------------------------------------------------
 
 
@@ -292,20 +312,25 @@ def test_send_timeout_is_timeout_error_with_errno(core, pair) -> None:
 # -- signals ------------------------------------------------------------------------
 
 
-def _wait_until_blocked(native_id: int, timeout: float = 10) -> None:
-    """Poll /proc until thread ``native_id`` sleeps in the kernel (inside recvmsg)."""
+# recvmsg's system call number, to see from /proc that a thread is blocked inside it.
+_RECVMSG = {"x86_64": 47, "aarch64": 212}.get(platform.machine())
+needs_proc = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or _RECVMSG is None, reason="reads /proc/<tid>/syscall"
+)
+
+
+def _wait_until_in_recvmsg(native_id: int, timeout: float = 10) -> None:
+    """Poll /proc until thread ``native_id`` sleeps inside recvmsg."""
     deadline = time.monotonic() + timeout
-    path = f"/proc/self/task/{native_id}/stat"
     while time.monotonic() < deadline:
-        with open(path) as stat:
-            state = stat.read().rpartition(")")[2].split()[0]
-        if state == "S":
-            return
+        with open(f"/proc/self/task/{native_id}/syscall") as syscall:
+            if syscall.read().split()[0] == str(_RECVMSG):
+                return
         time.sleep(0.005)
-    raise AssertionError("the receiving thread never blocked")
+    raise AssertionError("the receiving thread never blocked in recvmsg")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@needs_proc
 def test_signal_during_receive_is_retried(core, pair) -> None:
     """EINTR: the signal handler runs, then the transfer carries on where it was."""
     left, right = pair
@@ -316,7 +341,7 @@ def test_signal_during_receive_is_retried(core, pair) -> None:
     try:
 
         def interrupt_then_send() -> None:
-            _wait_until_blocked(main.native_id)
+            _wait_until_in_recvmsg(main.native_id)
             signal.pthread_kill(main.ident, signal.SIGUSR1)
             assert handled.wait(10)
             left.sendall(b"after the signal")
@@ -334,7 +359,7 @@ class _Interrupted(Exception):
     pass
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@needs_proc
 def test_exception_from_signal_handler_escapes_a_blocked_receive(core, pair) -> None:
     """A KeyboardInterrupt (here: any exception from a handler) is not swallowed by the loop."""
     _, right = pair
@@ -347,7 +372,7 @@ def test_exception_from_signal_handler_escapes_a_blocked_receive(core, pair) -> 
     try:
 
         def interrupt() -> None:
-            _wait_until_blocked(main.native_id)
+            _wait_until_in_recvmsg(main.native_id)
             signal.pthread_kill(main.ident, signal.SIGUSR1)
 
         helper = Background(interrupt)

@@ -50,6 +50,8 @@ def numpy_cases() -> dict[str, Any]:
         cases[name] = array
         cases[f"{name}-transposed"] = array.T
         cases[f"{name}-strided"] = array[::2, 1::3]
+        cases[f"{name}-reversed"] = array[::-1, ::-2]
+        cases[f"{name}-broadcast"] = np.broadcast_to(array[1], (3, 6))  # stride 0, read-only
         cases[f"{name}-0d"] = array[1:2, 2:3].reshape(())
         cases[f"{name}-scalar"] = array[1, 2]
         cases[f"{name}-empty"] = array[:0]
@@ -99,6 +101,7 @@ def torch_cases(torch: Any) -> dict[str, Any]:
         cases[name] = tensor
         cases[f"{name}-transposed"] = tensor.T
         cases[f"{name}-strided"] = tensor[::2, 1::3]
+        cases[f"{name}-expanded"] = tensor[1:2].expand(3, 6)  # stride 0
         cases[f"{name}-0d"] = tensor[1, 2]
         cases[f"{name}-empty"] = tensor[:0]
     for name in ("float32", "float64", "bfloat16", "float16", "complex64"):
@@ -106,6 +109,8 @@ def torch_cases(torch: Any) -> dict[str, Any]:
         cases[f"{name}-requires-grad"] = leaf
         cases[f"{name}-grad-result"] = leaf * 1  # has a grad_fn
     cases["complex64-conj-view"] = cases["complex64"].conj()
+    cases["float32-negative-view"] = cases["float32"]._neg_view()
+    cases["parameter"] = torch.nn.Parameter(cases["float32"].clone())
     cases["nan-bfloat16"] = torch.tensor([0x7F81, -63, 0x7FFF, -1], dtype=torch.int16).view(
         torch.bfloat16)
     cases["nan-float32"] = torch.tensor([0x7F800001, -4194304, 0x7FBFFFFF], dtype=torch.int32).view(
@@ -270,6 +275,19 @@ def test_torch_every_dtype_and_layout(server: thing.Server, backend: str) -> Non
     _check_received(server, cases)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_arrive_as_cpu_tensors(server: thing.Server) -> None:
+    code = _catch_all_script(
+        "{name + '-cuda': value.cuda() for name, value in torch_cases(torch).items()"
+        " if name.startswith(('bfloat16', 'float32', 'int64', 'bool', 'complex64'))}",
+        "import torch",
+    )
+    run_script(code, server.port, timeout=120)
+    for name, sent in torch_cases(torch).items():
+        if name.startswith(("bfloat16", "float32", "int64", "bool", "complex64")):
+            assert_same(server.get(name + "-cuda"), sent, name)  # checks device == cpu
+
+
 def test_jax_cpu_arrays(server: thing.Server, backend: str) -> None:
     jax = pytest.importorskip("jax")
     out = run_script(_catch_all_script("jax_cases(jax)", "import jax"), server.port)
@@ -412,8 +430,8 @@ def test_client_here_server_in_a_subprocess(backend: str) -> None:
         expected = digest(sent)
         if isinstance(sent, np.ndarray):  # arrives in native byte order, C-contiguous
             expected["dtype"] = str(sent.dtype.newbyteorder("="))
-        if isinstance(sent, torch.Tensor):
-            expected["requires_grad"] = False  # arrives detached
+        if isinstance(sent, torch.Tensor):  # arrives detached, a Parameter as a plain tensor
+            expected.update(requires_grad=False, type="torch.Tensor")
         assert report["captures"][name] == json.loads(json.dumps(expected)), name
 
 

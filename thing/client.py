@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from . import config, wire
+from . import auth, config, wire
 from ._core import recv_buffers, send_buffers
 from .arrays import leaf_bytes, torn
 from .errors import HandshakeError, ProtocolError
@@ -120,6 +120,8 @@ class Client:
 
     ``max_queue_bytes`` / ``max_queue_items`` bound what waits to be sent
     (defaults ``THING_QUEUE_BYTES`` = 1 GiB, ``THING_QUEUE_ITEMS`` = 1024).
+    ``token`` (default ``THING_TOKEN``, else the local server's token file)
+    answers a server that requires one.
     """
 
     def __init__(
@@ -129,8 +131,10 @@ class Client:
         *,
         max_queue_bytes: int | None = None,
         max_queue_items: int | None = None,
+        token: str | None = None,
     ):
         self.address = parse_address(server_addr, server_port)
+        self.token = token
         self.max_queue_bytes = max_queue_bytes or config.queue_max_bytes()
         self.max_queue_items = max_queue_items or config.queue_max_items()
         self._lock = threading.Condition()
@@ -279,6 +283,7 @@ class _Channel:
         self._inflight: dict[int, tuple[_Pending, int]] = {}
         self._seq = itertools.count()
         self._sock: socket.socket | None = None
+        self._lost = False  # the reader saw the connection end; the sender must reconnect
         self._closed = False
         # Until the first attempt to connect has failed, captures wait for it.
         self.down = False
@@ -325,7 +330,7 @@ class _Channel:
                 continue
             delay = 0.05
             with self._lock:
-                self._sock, self.down = sock, False
+                self._sock, self.down, self._lost = sock, False, False
             log.info("connected to thing server at %s:%d", *self.address)
             reader = threading.Thread(
                 target=self._read_acks,
@@ -347,15 +352,21 @@ class _Channel:
                     self._sock = None
 
     def _connect(self) -> socket.socket:
-        sock = connect(*self.address, config.connect_timeout())
+        host, port = self.address
+        sock = connect(host, port, config.connect_timeout())
         try:
             send_buffers(sock, [wire.encode_handshake(_identity())])
-            prefix = bytearray(wire.HANDSHAKE.size)
-            recv_buffers(sock, [prefix])
-            status, length = wire.decode_handshake_prefix(bytes(prefix))
-            body = bytearray(length)
-            recv_buffers(sock, [body])
-            info = wire.decode_handshake_info(body)
+            status, info = wire.recv_handshake(sock)
+            if status == wire.HANDSHAKE_CHALLENGE:
+                token = auth.client_token(port, self.client.token)
+                if token is None:
+                    raise HandshakeError(
+                        f"the server at {host}:{port} requires a token: set THING_TOKEN "
+                        "to the value the server printed"
+                    )
+                answer = {"proof": auth.proof(token, str(info.get("nonce", "")))}
+                send_buffers(sock, [wire.encode_handshake(answer)])
+                status, info = wire.recv_handshake(sock)
             if status != wire.HANDSHAKE_OK:
                 raise HandshakeError(f"server refused the connection: {info.get('error', '?')}")
             set_timeouts(sock, config.send_timeout(), None)
@@ -375,16 +386,20 @@ class _Channel:
         for pending in dropped:
             pending.handle._resolve(None, "no server is listening")
         if first_failure:
-            level = logging.WARNING if isinstance(reason, HandshakeError) else logging.DEBUG
-            log.log(level, "no thing server at %s:%d (%s); will keep trying", *self.address, reason)
+            if isinstance(reason, HandshakeError):
+                log.warning("cannot use the thing server at %s:%d: %s", *self.address, reason)
+            else:
+                log.debug("no thing server at %s:%d (%s); will keep trying", *self.address, reason)
 
     def _send_loop(self, sock: socket.socket) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._closed:
+                while not self._queue and not self._closed and not self._lost:
                     self._lock.wait()
                 if self._closed:
                     return
+                if self._lost:
+                    raise ConnectionResetError("the server closed the connection")
                 pending = self._queue.popleft()
                 seq = next(self._seq)
                 self._inflight[seq] = (pending, pending.payload.nbytes)
@@ -423,6 +438,9 @@ class _Channel:
                     self._finish(seq, None, message.decode("utf-8", "replace"))
         except (OSError, ProtocolError):
             _shutdown(sock)  # wakes the sender thread if it is blocked in a send
+            with self._lock:  # or if it is waiting for the next capture
+                self._lost = True
+                self._lock.notify_all()
 
     def _finish(self, seq: int, capture_id: int | None, error: str | None) -> None:
         with self._lock:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import select
 import socket
 import threading
+import time
 from typing import Any
 
-from . import config, wire
+from . import auth, config, wire
 from ._core import recv_buffers, send_buffers
 from .arrays import allocate, finish
 from .errors import HandshakeError, LimitExceeded, ProtocolError
@@ -28,7 +30,9 @@ log = logging.getLogger("thing")
 class Server:
     """Receives captures from any number of clients into a :class:`HistoryStore`.
 
-    ``port=0`` picks a free port (see :attr:`port` after :meth:`start`).
+    ``port=0`` picks a free port (see :attr:`port` after :meth:`start`). With a
+    ``token`` (or ``THING_TOKEN``) clients must prove they know it; listening
+    beyond loopback without one generates a token (see ``thing/auth.py``).
     Use as a context manager, or call :meth:`start` and :meth:`close`.
     """
 
@@ -39,9 +43,14 @@ class Server:
         *,
         store: HistoryStore | None = None,
         limits: wire.Limits | None = None,
+        token: str | None = None,
     ):
         self.host = host
         self.port = port
+        # None until start(): then the token clients must prove (see auth.py), if any.
+        self.token: str | None = None
+        self._configured_token = token
+        self._generated_token = False
         self.store = store if store is not None else HistoryStore()
         self.limits = limits if limits is not None else wire.Limits()
         self.idle_timeout = config.idle_timeout()
@@ -51,6 +60,7 @@ class Server:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closing = threading.Event()
+        self._warned_at: dict[str, float] = {}
         self.received = 0
         self.refused = 0
 
@@ -62,6 +72,17 @@ class Server:
             return self
         self._listener = listen(self.host, self.port)
         self.port = self._listener.getsockname()[1]
+        self.token = self._configured_token or os.environ.get("THING_TOKEN") or None
+        if self.token is None and not auth.is_loopback(self.host):
+            self.token, self._generated_token = secrets.token_urlsafe(32), True
+            path = auth.write_token_file(self.port, self.token)
+            log.warning(
+                "Listening on %s, beyond this machine, so clients need a token. Clients of "
+                "this user here read it from %s; elsewhere run:  export THING_TOKEN=%s",
+                self.host,
+                path,
+                self.token,
+            )
         self._closing.clear()
         self._spawn(self._accept_loop, "thing-accept")
         log.info("Server started at port %d.", self.port)
@@ -80,6 +101,9 @@ class Server:
             thread.join(timeout=5)
         self._listener.close()
         self._listener = None
+        if self._generated_token and self.token is not None:
+            auth.remove_token_file(self.port, self.token)
+            self._generated_token = False
         self._threads.clear()
 
     def __enter__(self) -> Server:
@@ -201,7 +225,7 @@ class Server:
             while self._wait_readable(sock) and self._receive_frame(sock, sender):
                 pass
         except (HandshakeError, ProtocolError) as exc:
-            log.warning("dropped %s: %s", address, exc)
+            self._warn_about(address, f"dropped {address}: {exc}")
         except (ConnectionError, TimeoutError) as exc:
             log.debug("client %s went away: %s", address, exc)
         except OSError as exc:
@@ -214,17 +238,37 @@ class Server:
                 self._connections.pop(sock, None)
             sock.close()
 
+    def _warn_about(self, address: str, message: str) -> None:
+        """Log a peer's misbehaviour; a peer retrying every second is logged once a minute."""
+        host = address.rpartition(":")[0] or address
+        now = time.monotonic()
+        if now - self._warned_at.get(host, -60.0) >= 60:
+            if len(self._warned_at) > 1000:
+                self._warned_at.clear()
+            self._warned_at[host] = now
+            log.warning(message)
+        else:
+            log.debug(message)
+
     def _handshake(self, sock: socket.socket, address: str) -> Sender:
         prefix = _recv_exact(sock, wire.HANDSHAKE.size)
         try:
             _, length = wire.decode_handshake_prefix(prefix)
         except HandshakeError as exc:
             if prefix[:4] == wire.MAGIC:  # a thing peer of another version: tell it why
-                send_buffers(
-                    sock, [wire.encode_handshake({"error": str(exc)}, wire.HANDSHAKE_REFUSED)]
-                )
+                # Read its hello first: closing with unread bytes would reset the
+                # connection and lose the refusal on the way.
+                _discard(sock, min(wire.HANDSHAKE.unpack(prefix)[3], wire.MAX_HANDSHAKE_JSON))
+                _refuse(sock, str(exc))
             raise
         info = wire.decode_handshake_info(_recv_exact(sock, length))
+        if self.token is not None:
+            nonce = auth.new_nonce()
+            send_buffers(sock, [wire.encode_handshake({"nonce": nonce}, wire.HANDSHAKE_CHALLENGE)])
+            _, answer = wire.recv_handshake(sock)
+            if not auth.verify(self.token, nonce, answer.get("proof")):
+                _refuse(sock, "wrong or missing token (set THING_TOKEN to the server's token)")
+                raise HandshakeError("refused: wrong or missing token")
         send_buffers(sock, [wire.encode_handshake({"server": "thing", "pid": os.getpid()})])
         return Sender(
             address=address,
@@ -296,6 +340,10 @@ def _sender_of(meta: dict[str, Any], connection: Sender) -> Sender:
         _int_or(rank, None),
         _int_or(world_size, None),
     )
+
+
+def _refuse(sock: socket.socket, reason: str) -> None:
+    send_buffers(sock, [wire.encode_handshake({"error": reason}, wire.HANDSHAKE_REFUSED)])
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:

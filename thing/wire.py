@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import config
+from ._core import recv_buffers
 from .arrays import CARRIER_DTYPES, FRAMEWORKS, Leaf, LeafSpec, catch_leaf
 from .errors import HandshakeError, LimitExceeded, ProtocolError, UnsupportedType
 
@@ -25,6 +26,7 @@ VERSION = 1
 HANDSHAKE = struct.Struct("<4sHHI")
 HANDSHAKE_OK = 0
 HANDSHAKE_REFUSED = 1
+HANDSHAKE_CHALLENGE = 2  # the server wants proof of the token: {"nonce": ...}
 MAX_HANDSHAKE_JSON = 64 << 10
 
 # b"TF", kind, header length, payload length; then header, payload, trailer
@@ -81,6 +83,16 @@ def decode_handshake_prefix(prefix: bytes) -> tuple[int, int]:
     return status, length
 
 
+def recv_handshake(sock: Any) -> tuple[int, dict[str, Any]]:
+    """Receive one handshake message from ``sock``; return ``(status, info)``."""
+    prefix = bytearray(HANDSHAKE.size)
+    recv_buffers(sock, [prefix])
+    status, length = decode_handshake_prefix(bytes(prefix))
+    body = bytearray(length)
+    recv_buffers(sock, [body])
+    return status, decode_handshake_info(body)
+
+
 def decode_handshake_info(body: bytes) -> dict[str, Any]:
     """The JSON object of a handshake; its values are informational and never executed."""
     info = _load_json(body, "handshake", HandshakeError)
@@ -122,6 +134,8 @@ def take_apart(value: Any, copy: bool = False, max_depth: int = 64) -> Payload:
 def _walk(obj: Any, leaves: list[Leaf], copy: bool, depth: int) -> Any:
     if depth < 0:
         raise UnsupportedType("containers nested too deeply")
+    if type(obj) is float and obj != obj:  # JSON would spell every NaN alike
+        return {"nan": struct.pack("<d", obj).hex()}
     if obj is None or type(obj) in (bool, int, float, str):
         return obj
     leaf = catch_leaf(obj, copy)
@@ -267,7 +281,10 @@ def _check_tree(node: Any, used: list[bool], depth: int) -> None:
     if not isinstance(node, dict) or len(node) != 1:
         raise ProtocolError("value node is not a tagged container")
     ((tag, body),) = node.items()
-    if tag == "leaf":
+    if tag == "nan":
+        if not (isinstance(body, str) and math.isnan(_nan_of(body))):
+            raise ProtocolError("nan node is not the 16 hex digits of a NaN")
+    elif tag == "leaf":
         if not _is_int(body) or not 0 <= body < len(used) or used[body]:
             raise ProtocolError("value refers to a missing or repeated leaf")
         used[body] = True
@@ -294,6 +311,8 @@ def build_value(tree: Any, leaves: list[Any]) -> Any:
     ((tag, body),) = tree.items()
     if tag == "leaf":
         return leaves[body]
+    if tag == "nan":
+        return _nan_of(body)
     if tag == "list":
         return [build_value(item, leaves) for item in body]
     if tag == "tuple":
@@ -314,6 +333,15 @@ def decode_ack(prefix: bytes) -> tuple[int, int, int, int]:
     if tag != ACK_TAG or status not in (ACK_STORED, ACK_REJECTED) or length > MAX_HANDSHAKE_JSON:
         raise ProtocolError(f"bad acknowledgement {prefix!r}")
     return status, length, seq, capture_id
+
+
+def _nan_of(text: str) -> float:
+    """The float whose 8 little-endian bytes ``text`` spells in hex; 0.0 if it spells none."""
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        return 0.0
+    return struct.unpack("<d", raw)[0] if len(raw) == 8 else 0.0
 
 
 def _is_int(value: Any) -> bool:
