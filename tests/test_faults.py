@@ -310,12 +310,12 @@ def test_other_protocol_version_gets_a_clear_refusal(server: thing.Server) -> No
     _round_trip_here(server, "after-refusal")
 
 
-@pytest.mark.xfail(strict=True, raises=ConnectionResetError, reason=(
-    "server.py _handshake refuses before reading the handshake body, then closes with it "
-    "unread: the kernel sends a reset and the refusal is lost"))
 def test_other_protocol_version_sending_its_info_gets_the_refusal(server: thing.Server) -> None:
+    """As a real client of another version does: its hello comes with its info attached."""
     body = json.dumps({"hostname": "future", "pid": 1, "thing": "9.0"}).encode()
-    assert "version" in _refusal_for(server, body)["error"]
+    for _ in range(20):  # the refusal used to be lost to a reset now and then
+        assert "version" in _refusal_for(server, body)["error"]
+    _round_trip_here(server, "after-refusals")
 
 
 def test_client_reports_a_server_of_another_version(caplog: pytest.LogCaptureFixture) -> None:
@@ -374,17 +374,14 @@ def test_frame_over_the_capture_limit_is_dropped_before_allocation() -> None:
             client.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "client.py: when the server drops the connection after a frame was handed to the kernel, "
-    "the sender thread waits on the queue and nobody fails the in-flight capture until the "
-    "next catch() wakes it"))
 def test_dropped_connection_resolves_the_handles_in_flight() -> None:
+    """The frame is all in the kernel when the server drops the connection: fail it at once."""
     limits = wire.Limits(max_capture_bytes=4096)
     with thing.Server(port=0, limits=limits) as server:
         client = thing.Client("127.0.0.1", server.port)
         try:
             big = client.catch(np.zeros(8192, np.uint8), name="big")  # fits the socket buffers
-            assert big.wait(3) is False
+            assert big.wait(10) is False
             assert big.done, "still pending although the server closed the connection"
         finally:
             client.close()

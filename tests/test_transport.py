@@ -72,7 +72,8 @@ def numpy_cases() -> dict[str, Any]:
     cases["nan-scalar"] = np.array(nan_bits["float64"][2:3], "uint64").view("float64")[0]
     cases["nested"] = {
         "ünïcödé ✓": [np.arange(3), (np.float32(2.5), None, True), {"deeper": [b"raw\x00"]}],
-        "plain": [0, -(2**70), 1.5, -0.0, float("inf"), "", "日本語 🚀"],
+        "plain": [0, -(2**70), 1.5, -0.0, float("inf"), float("nan"), -float("nan"), "",
+                  "日本語 🚀"],
         "empty": [[], (), {}],
         "tuple": (np.zeros((2, 0)), bytearray(b"ba")),
     }
@@ -159,7 +160,7 @@ def flat_bytes(value: Any) -> bytes:
 def digest(value: Any) -> Any:
     """A JSON summary of a received value: types, dtypes, shapes and a hash of every byte."""
     import hashlib
-    import math
+    import struct
 
     if isinstance(value, (list, tuple)):
         return {type(value).__name__: [digest(item) for item in value]}
@@ -176,7 +177,7 @@ def digest(value: Any) -> Any:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return {"bytes": bytes(value).hex()}
     if isinstance(value, float):
-        return "nan" if math.isnan(value) else value.hex()
+        return {"float": struct.pack("<d", value).hex()}  # every bit, NaN payloads included
     return {type(value).__name__: value}
 
 
@@ -230,8 +231,7 @@ def assert_same(received: Any, sent: Any, where: str = "value") -> None:
         assert type(received) is bytes and received == bytes(sent), where
     elif isinstance(sent, float):
         assert type(received) is float, where
-        same_bits = struct.pack("<d", received) == struct.pack("<d", sent)
-        assert same_bits or (math.isnan(sent) and math.isnan(received)), where
+        assert struct.pack("<d", received) == struct.pack("<d", sent), where  # NaN bits too
     else:
         assert type(received) is type(sent) and received == sent, f"{where}: {received!r}"
 

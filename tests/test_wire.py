@@ -49,9 +49,7 @@ def _same(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, float):
-        # Python floats travel in the JSON header, where every NaN is spelled "NaN":
-        # see test_python_float_nan_payload_is_preserved.
-        return struct.pack("<d", a) == struct.pack("<d", b) or (math.isnan(a) and math.isnan(b))
+        return struct.pack("<d", a) == struct.pack("<d", b)  # NaN payloads and -0.0 too
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
@@ -101,12 +99,12 @@ def test_numpy_nan_payloads_are_bit_exact() -> None:
     assert received[1].view(np.uint64) == bits[1]
 
 
-@pytest.mark.xfail(strict=True, reason="JSON spells every NaN 'NaN': a plain float's payload "
-                   "and sign are lost (numpy scalars and arrays keep theirs)")
 def test_python_float_nan_payload_is_preserved() -> None:
-    negative_nan = struct.unpack("<d", struct.pack("<Q", 0xFFF8000000000001))[0]
-    received = _send_and_receive(negative_nan)
-    assert struct.pack("<d", received) == struct.pack("<d", negative_nan)
+    for bits in (0xFFF8000000000001, 0x7FF0000000000001, 0x7FF8000000000000, 0xFFFFFFFFFFFFFFFF):
+        nan = struct.unpack("<d", struct.pack("<Q", bits))[0]
+        received = _send_and_receive([nan, {"x": (nan,)}])
+        for value in (received[0], received[1]["x"][0]):
+            assert type(value) is float and struct.pack("<d", value) == struct.pack("<d", nan)
 
 
 def test_bytearray_and_memoryview_arrive_as_bytes() -> None:
@@ -311,6 +309,10 @@ BAD_HEADERS = {
     "dict key int": _header(value={"dict": [[1, {"leaf": 0}]]}),
     "dict key null": _header(value={"dict": [[None, {"leaf": 0}]]}),
     "too deep": _header(value=json.loads('{"list": [' * 70 + '{"leaf": 0}' + "]}" * 70)),
+    "nan node not hex": _header(value={"list": [{"leaf": 0}, {"nan": "zz"}]}),
+    "nan node not a nan": _header(value={"list": [{"leaf": 0}, {"nan": "0000000000000000"}]}),
+    "nan node too short": _header(value={"list": [{"leaf": 0}, {"nan": "f87f"}]}),
+    "nan node int": _header(value={"list": [{"leaf": 0}, {"nan": 5}]}),
     "json nested past recursion": b'{"seq": 1, "value": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
     "huge int in tree": _header(value={"list": [{"leaf": 0}, 1]}).replace(
         b", 1]", b", " + b"9" * 5000 + b"]"
