@@ -173,19 +173,25 @@ def train_plain(torch, model, optimizer, data, targets, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def train_caught(thing, torch, model, optimizer, data, targets, steps: int) -> tuple[float, object]:
-    """Seconds per step of the same loop with two catches; and the last loss handle."""
+def train_caught(thing, torch, model, optimizer, data, targets,
+                 steps: int) -> tuple[float, float, object]:
+    """Seconds per step of the same loop with two catches, seconds per step inside the two
+    catch calls (the caller's share), and the last loss handle."""
     loss_fn = torch.nn.functional.cross_entropy
+    clock = time.perf_counter_ns
+    in_catch = 0
     start = time.perf_counter()
     for step in range(steps):
         batch = step % len(data)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(data[batch]), targets[batch])
+        before = clock()
         handle = thing.catch(loss)
         thing.catch(model.fc1.weight, every=10)
+        in_catch += clock() - before
         loss.backward()
         optimizer.step()
-    return (time.perf_counter() - start) / steps, handle
+    return (time.perf_counter() - start) / steps, in_catch / 1e9 / steps, handle
 
 
 def measure_training(thing, torch, rounds: int, seconds_per_round: float,
@@ -198,13 +204,15 @@ def measure_training(thing, torch, rounds: int, seconds_per_round: float,
 
     # Warm up both variants, then size a round to about seconds_per_round.
     train_plain(torch, model, optimizer, data, targets, 20)
-    _, handle = train_caught(thing, torch, model, optimizer, data, targets, 20)
+    _, _, handle = train_caught(thing, torch, model, optimizer, data, targets, 20)
     handle.wait(TIMEOUT)
-    step = train_plain(torch, model, optimizer, data, targets, 50)
-    steps = max(20, int(seconds_per_round / step))
+    step = statistics.median(train_plain(torch, model, optimizer, data, targets, 20)
+                             for _ in range(3))
+    steps = max(50, int(seconds_per_round / step))
 
     plain: list[float] = []
     caught: list[float] = []
+    in_catch: list[float] = []
     unstored = 0
     for index in range(rounds):
         order = ("plain", "caught") if index % 2 == 0 else ("caught", "plain")
@@ -212,12 +220,14 @@ def measure_training(thing, torch, rounds: int, seconds_per_round: float,
             if variant == "plain":
                 plain.append(train_plain(torch, model, optimizer, data, targets, steps))
             else:
-                per_step, handle = train_caught(thing, torch, model, optimizer, data, targets,
-                                                steps)
+                per_step, caller, handle = train_caught(thing, torch, model, optimizer, data,
+                                                        targets, steps)
                 caught.append(per_step)
+                in_catch.append(caller)
                 # Untimed: let the last captures of the round drain before the next round.
                 unstored += not handle.wait(TIMEOUT)
-    return {"plain": plain, "caught": caught, "steps": steps, "unstored": unstored}
+    return {"plain": plain, "caught": caught, "in_catch": in_catch, "steps": steps,
+            "unstored": unstored}
 
 
 # -- main ------------------------------------------------------------------------------
@@ -315,9 +325,14 @@ def main() -> int:
                                           ("with thing", result["caught"], caught)):
                 print(f"    {label:<14} median {middle * 1e3:7.3f} ms/step; rounds "
                       + " ".join(f"{value * 1e3:.3f}" for value in values))
+            caller = statistics.median(result["in_catch"])
+            print(f"    time inside the two catch calls: median {caller * 1e6:.1f} us/step "
+                  "(the caller's share of the slowdown)")
             if result["unstored"]:
                 print(f"    WARNING: the last loss capture of {result['unstored']} rounds was "
                       "not stored")
+        print(f"\nLoad average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
+              "(other work on the machine inflates every figure above).")
     finally:
         server.close()
     return 0
