@@ -317,8 +317,8 @@ def test_describe_a_container_describes_each_array(default: thing.Server, capsys
     thing.describe("acts")
     out = capsys.readouterr().out
     hidden = next(line for line in out.splitlines() if "['hidden']" in line).split()
-    assert hidden[1:3] == ["(2,", "3)"] and hidden[3:5] == ["float64", "numpy"]
-    assert hidden[5:8] == ["0", "5", "2.5"]
+    assert hidden[1:4] == ["(2,", "3)", "float64"]
+    assert hidden[4:10] == ["min", "0", "max", "5", "mean", "2.5"]
     assert any("['out'][0]" in line for line in out.splitlines())
 
 

@@ -526,19 +526,19 @@ def _leaf_table(out: _Output, capture: Capture) -> Any:
     rows = []
     for (path, leaf), spec in zip(_leaf_paths(capture.value), capture.leaves):
         if spec.framework == "bytes":
-            rows.append([path, f"{spec.shape[0]} bytes", "-", "bytes"] + [""] * 7)
+            rows.append([path, f"{spec.shape[0]} bytes", "-", ""])
             continue
         stats = array_stats(leaf, spec)
-        cells = ["", "", "", "", "", "", ""]
+        text = ""
         if stats is not None and stats.count:
-            numbers = (stats.min, stats.max, stats.mean, stats.std, stats.norm)
-            cells = [f"{x:.4g}" if x is not None else "-" for x in numbers]
-            cells += [str(stats.nan), str(stats.inf)]
-        rows.append([path, _shape_text(spec.shape), spec.dtype, spec.framework, *cells])
-    columns = ["path", "shape", "dtype", "framework", "min", "max", "mean", "std", "L2 norm", "NaN",
-               "Inf"]
-    return out.table("arrays", columns, rows,
-                     "statistics over finite values; std with ddof=0", no_wrap=(0, 1, 2, 3))
+            numbers = zip(("min", "max", "mean", "std", "L2"),
+                          (stats.min, stats.max, stats.mean, stats.std, stats.norm))
+            text = "  ".join(f"{label} {'-' if x is None else f'{x:.4g}'}" for label, x in numbers)
+            text += f"  NaN {stats.nan}  Inf {stats.inf}"
+        rows.append([path, _shape_text(spec.shape), spec.dtype, text])
+    # One wrapping statistics column keeps the table readable in an 80-column terminal.
+    return out.table("arrays", ["path", "shape", "dtype", "statistics"], rows,
+                     "statistics over finite values; std with ddof=0", no_wrap=(1, 2))
 
 
 # -- status ----------------------------------------------------------------------------
