@@ -237,6 +237,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer batches and rounds")
     parser.add_argument("--width", type=int, default=1024,
                         help="hidden width of the MLP (default 1024)")
+    parser.add_argument("--transport", choices=("auto", "tcp", "unix", "shm"),
+                        help="THING_TRANSPORT for the client (default: the environment's, "
+                             "else auto)")
     args = parser.parse_args()
 
     batches = 50 if args.quick else 200
@@ -246,6 +249,8 @@ def main() -> int:
     rounds = 4 if args.quick else 8
     seconds_per_round = 0.5 if args.quick else 1.0
 
+    if args.transport:
+        os.environ["THING_TRANSPORT"] = args.transport
     server, port = _common.start_thing_server()
     # Captures must be sent, not dropped: a queue far larger than any burst.
     os.environ.update(THING_SERVER=f"127.0.0.1:{port}", THING_QUEUE_BYTES=str(16 << 30),
@@ -256,14 +261,18 @@ def main() -> int:
         import thing
 
         _common.print_machine("thing overhead benchmark: the caller's thread and a training loop")
-        print(f"A thing server runs in another process (port {port}); captures are really sent.\n")
-
         big = torch.randn(64 * MiB // 4)
         small = torch.randn(4 * KiB // 4)
         x = big
         first = thing.catch(x, name="warmup")  # connect before anything is timed
         if not first.wait(TIMEOUT):
             raise SystemExit(f"could not reach the thing server: {first!r}")
+        # Which path the default client took; private attributes, read defensively.
+        channels = getattr(getattr(thing, "_default_client", None), "_channels", {})
+        transport = getattr(next(iter(channels.values()), None), "transport", None) or "?"
+        wanted = os.environ.get("THING_TRANSPORT", "") or "auto"
+        print(f"A thing server runs in another process (port {port}); captures are really sent "
+              f"(THING_TRANSPORT={wanted}: over {transport}).\n")
 
         rows = []
         timings = [batch_empty(thing, x, calls, time.perf_counter_ns)[0] for _ in range(batches)]

@@ -1,33 +1,41 @@
 """Throughput of thing against a raw TCP socket and pickle, client process to server process.
 
-    python benchmarks/throughput.py            # 1 MiB, 16 MiB, 256 MiB (about 1-2 minutes)
-    python benchmarks/throughput.py --quick    # fewer bytes per trial, fewer trials
+    python benchmarks/throughput.py              # 1 MiB, 16 MiB, 256 MiB (about 2 minutes)
+    python benchmarks/throughput.py --quick      # fewer bytes per trial, fewer trials
+    python benchmarks/throughput.py --no-extra   # only the rows the targets are about
     python benchmarks/throughput.py --sizes 4M,64M --trials 5
 
-Every method moves float32 arrays over TCP loopback from one process into a
-usable array in another, and is timed from its first send to the receiver's
-acknowledgement of the last array:
+Every method moves float32 arrays from one process into a usable array in
+another and is timed from its first send to the receiver's acknowledgement of
+the last array:
 
-- ``raw socket``: ``sendall(memoryview)`` / ``recv_into`` a buffer preallocated
-  once per size: the floor that any framing on top of TCP is measured against.
-- ``raw, fresh buffer``: the same, but ``np.empty`` a new buffer per message,
-  as a receiver that hands out each array must (shows the page-fault cost).
+- ``raw socket (TCP)``: ``sendall(memoryview)`` / ``recv_into`` a buffer
+  preallocated once per size, TCP loopback: the floor any framing on top of
+  TCP is measured against.
+- ``raw TCP, fresh buffer`` (extra): the same, but ``np.empty`` a new buffer
+  per message, as a receiver that hands out every array must; the difference
+  is what fresh memory (page faults, cold caches) costs on this machine.
 - ``pickle p5``: ``pickle.dumps(array, protocol=5)`` over
-  ``multiprocessing.connection`` (``send_bytes`` / ``recv_bytes``, which is
-  what ``Connection.send`` does, but with protocol 5 rather than Python 3.11's
-  default 4), ``pickle.loads`` on the receiving side.
-- ``thing``: ``client.catch(array, name=..., block=True)`` N times, then
-  ``handle.wait()`` on the last; a ``thing.Server(port=0)`` in the other
-  process acknowledges each array once it is received and stored, so the
-  receive into the server's array is inside the timing. Once with the compiled
-  core, once with the pure-Python twin (``THING_PUREPYTHON=1`` on both sides).
+  ``multiprocessing.connection`` on TCP loopback (``send_bytes`` /
+  ``recv_bytes``, which is what ``Connection.send`` does, but with protocol 5
+  rather than Python 3.11's default 4), ``pickle.loads`` on the receiving side.
+- ``thing TCP, compiled``: ``client.catch(array, name=..., block=True)`` N
+  times, then ``handle.wait()`` on the last; a ``thing.Server(port=0)`` in the
+  other process acknowledges each array once it is received and stored, so the
+  receive into the server's array is inside the timing. ``THING_TRANSPORT=tcp``
+  keeps it on TCP loopback, like the baselines.
+- extra rows: the same over TCP with the pure-Python twin
+  (``THING_PUREPYTHON=1``), and the same-host paths a client takes by default
+  when the server is on its machine: a Unix socket (``THING_TRANSPORT=unix``)
+  and shared memory (``THING_TRANSPORT=shm``).
 
 Each (method, size) repeats enough arrays to move ``--trial-bytes`` per trial;
 trials of all methods are interleaved (round robin, rotating order) so that
 drifting load on a shared machine hits them alike. The table shows the best
-trial (the least disturbed; used for the ratios) and the median trial. After
-the run every server checks that the last array of each size it holds is
-bit-exact what was sent and that none went missing.
+trial (the least disturbed; the ratios use it), the median trial, and the CPU
+time both processes used per GB. After the run every server checks that the
+last array of each size it holds is bit-exact what was sent and that none went
+missing.
 """
 
 from __future__ import annotations
@@ -55,11 +63,14 @@ TIMEOUT = 120.0
 
 METHODS = {
     # key: (label, extra row, environment of both processes)
-    "raw": ("raw socket", False, {}),
-    "raw-fresh": ("raw, fresh buffer", True, {}),
+    "raw": ("raw socket (TCP)", False, {}),
+    "raw-fresh": ("raw TCP, fresh buffer", True, {}),
     "pickle": ("pickle p5 (mp.connection)", False, {}),
-    "thing": ("thing (compiled core)", False, {"THING_PUREPYTHON": "0"}),
-    "thing-py": ("thing (pure-Python twin)", True, {"THING_PUREPYTHON": "1"}),
+    "thing": ("thing TCP, compiled", False, {"THING_PUREPYTHON": "0", "THING_TRANSPORT": "tcp"}),
+    "thing-py": ("thing TCP, pure Python", True,
+                 {"THING_PUREPYTHON": "1", "THING_TRANSPORT": "tcp"}),
+    "thing-unix": ("thing Unix socket", True, {"THING_PUREPYTHON": "0", "THING_TRANSPORT": "unix"}),
+    "thing-shm": ("thing shared memory", True, {"THING_PUREPYTHON": "0", "THING_TRANSPORT": "shm"}),
 }
 TARGET_RAW = 0.9
 TARGET_PICKLE = 2.0
@@ -217,7 +228,10 @@ def client_thing(port: int) -> None:
         stored = handles[-1].wait(TIMEOUT)
         seconds = time.perf_counter() - start
         lost = sum(not handle.wait(TIMEOUT) for handle in handles)
-        return {"seconds": seconds, "lost": lost + (not stored), "backend": thing.BACKEND}
+        # Which path the client took (tcp, unix or shm); a private attribute, read defensively.
+        channel = next(iter(getattr(client, "_channels", {}).values()), None)
+        return {"seconds": seconds, "lost": lost + (not stored), "backend": thing.BACKEND,
+                "transport": getattr(channel, "transport", None)}
 
     client_loop(run_once)
 
@@ -244,6 +258,7 @@ class Method:
         self.cpu: dict[int, list[float]] = {}  # CPU seconds (both processes) per GB moved
         self.lost = 0
         self.backend: str | None = None
+        self.transport: str | None = None
 
     def run(self, nbytes: int, count: int, timed: bool = True) -> None:
         before = self.cpu_seconds()
@@ -252,6 +267,7 @@ class Method:
         self.sent[nbytes] = self.sent.get(nbytes, 0) + count
         self.lost += answer.get("lost", 0)
         self.backend = answer.get("backend", self.backend)
+        self.transport = answer.get("transport", self.transport)
         if timed:
             self.seconds.setdefault(nbytes, []).append(answer["seconds"])
             self.cpu.setdefault(nbytes, []).append((used - before) / (nbytes * count / 1e9))
@@ -377,7 +393,7 @@ def main() -> int:
     print("Ratios of best trials; targets: thing >= 0.9x raw socket at 16 MiB and up, "
           ">= 2x pickle.")
     failed = False
-    for key in ("thing", "thing-py"):
+    for key in ("thing", "thing-py", "thing-unix", "thing-shm"):
         if key not in by_key:
             continue
         method = by_key[key]
@@ -402,10 +418,16 @@ def main() -> int:
         if found:
             failed = True
             print(f"VERIFY FAILED for {label}: {'; '.join(found)}")
-    backend = by_key["thing"].backend if "thing" in by_key else None
-    if backend not in (None, "compiled"):
-        failed = True
-        print(f"WARNING: the 'compiled' row ran on the {backend} core (extension not built?)")
+    for method in methods:
+        if not method.key.startswith("thing"):
+            continue
+        wanted_backend = "python" if method.key == "thing-py" else "compiled"
+        wanted_transport = METHODS[method.key][2]["THING_TRANSPORT"]
+        if method.backend != wanted_backend:
+            failed = True
+            print(f"WARNING: {method.label!r} ran on the {method.backend} core")
+        if method.transport not in (None, wanted_transport):
+            print(f"NOTE: {method.label!r} ran over {method.transport}, not {wanted_transport}")
     if not failed:
         print("Verified: every server received every array, and the last of each size bit-exact.")
     print(f"Total time {elapsed:.0f} s.")

@@ -31,7 +31,7 @@ def _send_and_receive(value: Any, limits: wire.Limits = LIMITS) -> Any:
     payload = wire.take_apart(value)
     header = wire.encode_header(7, "name", payload, {"caught_at": 1.5})
     prefix = wire.encode_prefix(header, payload.nbytes)
-    header_len, payload_len = wire.decode_prefix(prefix, limits)
+    _, header_len, payload_len = wire.decode_prefix(prefix, limits)
     assert (header_len, payload_len) == (len(header), payload.nbytes)
     decoded = wire.decode_header(header, payload_len, limits)
     assert decoded.seq == 7 and decoded.name == "name" and decoded.meta == {"caught_at": 1.5}
@@ -374,7 +374,7 @@ def test_leaf_count_and_depth_limits() -> None:
 def test_prefix_checks() -> None:
     small = wire.Limits(max_capture_bytes=1000, max_header_bytes=100)
     good = wire.encode_prefix(b"h" * 100, 900)
-    assert wire.decode_prefix(good, small) == (100, 900)
+    assert wire.decode_prefix(good, small) == (wire.KIND_CAPTURE, 100, 900)
     with pytest.raises(LimitExceeded, match="header"):
         wire.decode_prefix(wire.encode_prefix(b"h" * 101, 0), small)
     with pytest.raises(LimitExceeded, match="capture"):
@@ -383,7 +383,7 @@ def test_prefix_checks() -> None:
         wire.decode_prefix(wire.FRAME_PREFIX.pack(b"TF", 1, 10, 2**64 - 1), small)
     for bad in (
         wire.FRAME_PREFIX.pack(b"XX", wire.KIND_CAPTURE, 10, 10),
-        wire.FRAME_PREFIX.pack(wire.FRAME_TAG, 2, 10, 10),
+        wire.FRAME_PREFIX.pack(wire.FRAME_TAG, 3, 10, 10),
         wire.FRAME_PREFIX.pack(wire.FRAME_TAG, 0, 10, 10),
         good[:-1],
         good + b"\x00",

@@ -24,12 +24,19 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from . import auth, config, wire
+from . import auth, config, shm, wire
 from ._core import recv_buffers, send_buffers
 from .arrays import leaf_bytes, torn
 from .errors import HandshakeError, ProtocolError
 from .names import CallSite, NameTracer
-from .sockets import connect, parse_address, set_timeouts
+from .sockets import (
+    connect,
+    connect_unix,
+    is_this_host,
+    parse_address,
+    set_timeouts,
+    unix_socket_path,
+)
 
 log = logging.getLogger("thing")
 
@@ -284,6 +291,7 @@ class _Channel:
         self._seq = itertools.count()
         self._sock: socket.socket | None = None
         self._lost = False  # the reader saw the connection end; the sender must reconnect
+        self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
         self._closed = False
         # Until the first attempt to connect has failed, captures wait for it.
         self.down = False
@@ -331,7 +339,6 @@ class _Channel:
             delay = 0.05
             with self._lock:
                 self._sock, self.down, self._lost = sock, False, False
-            log.info("connected to thing server at %s:%d", *self.address)
             reader = threading.Thread(
                 target=self._read_acks,
                 args=(sock,),
@@ -351,28 +358,54 @@ class _Channel:
                 with self._lock:
                     self._sock = None
 
+    def _open(self) -> tuple[socket.socket, str]:
+        """Connect by the fastest path available: shared memory, Unix socket, else TCP."""
+        host, port = self.address
+        wanted = config.transport()
+        if wanted != "tcp" and is_this_host(host):
+            path = unix_socket_path(port)
+            if path is not None and path.exists():
+                try:
+                    sock = connect_unix(path, config.connect_timeout())
+                except OSError as exc:
+                    log.debug("Unix socket %s unusable (%s); trying TCP", path, exc)
+                else:
+                    return sock, "shm" if wanted in ("auto", "shm") and shm.AVAILABLE else "unix"
+        return connect(host, port, config.connect_timeout()), "tcp"
+
     def _connect(self) -> socket.socket:
         host, port = self.address
-        sock = connect(host, port, config.connect_timeout())
+        sock, transport = self._open()
         try:
             send_buffers(sock, [wire.encode_handshake(_identity())])
             status, info = wire.recv_handshake(sock)
+            token = None
             if status == wire.HANDSHAKE_CHALLENGE:
+                # Without a token, answer anyway, so the server can say why it refuses us.
                 token = auth.client_token(port, self.client.token)
-                if token is None:
+                nonce = str(info.get("nonce", ""))
+                answer = {"proof": auth.proof(token, nonce) if token else ""}
+                send_buffers(sock, [wire.encode_handshake(answer)])
+                status, info = wire.recv_handshake(sock)
+            if status != wire.HANDSHAKE_OK:
+                if token is None and "token" in str(info.get("error", "")):
                     raise HandshakeError(
                         f"the server at {host}:{port} requires a token: set THING_TOKEN "
                         "to the value the server printed"
                     )
-                answer = {"proof": auth.proof(token, str(info.get("nonce", "")))}
-                send_buffers(sock, [wire.encode_handshake(answer)])
-                status, info = wire.recv_handshake(sock)
-            if status != wire.HANDSHAKE_OK:
                 raise HandshakeError(f"server refused the connection: {info.get('error', '?')}")
             set_timeouts(sock, config.send_timeout(), None)
         except BaseException:
             sock.close()
             raise
+        if transport != self.transport:
+            log.info(
+                "sending to the thing server at %s:%d over %s",
+                host,
+                port,
+                _TRANSPORT_NAMES[transport],
+            )
+        self.transport = transport
         return sock
 
     def _set_down(self, reason: Exception) -> None:
@@ -416,12 +449,37 @@ class _Channel:
                 f"send:{pending.name}", "thing could not send %r: %s", pending.name, exc
             )
             return
-        prefix = wire.encode_prefix(header, payload.nbytes)
-        send_buffers(sock, [prefix, header, *(view for view in views if view.nbytes)])
-        del views
-        send_buffers(sock, [wire.encode_trailer(any(torn(leaf) for leaf in payload.leaves))])
+        if self.transport == "shm" and payload.nbytes >= config.shm_threshold():
+            sent = self._send_shared(sock, header, payload, views)
+        else:
+            sent = False
+        if not sent:
+            prefix = wire.encode_prefix(header, payload.nbytes)
+            send_buffers(sock, [prefix, header, *(view for view in views if view.nbytes)])
+            del views
+            send_buffers(sock, [wire.encode_trailer(any(torn(leaf) for leaf in payload.leaves))])
         # The bytes are in the kernel: drop our references so the arrays can be freed.
         payload.leaves.clear()
+
+    def _send_shared(
+        self, sock: socket.socket, header: bytes, payload: wire.Payload, views: list
+    ) -> bool:
+        """Hand the payload over in a sealed memfd; False (and nothing sent) if that fails."""
+        try:
+            fd = shm.export(views)
+        except OSError as exc:  # out of descriptors or memory: the stream still works
+            self.client._warn_once("shm", "shared memory unavailable (%s); sending inline", exc)
+            return False
+        try:
+            prefix = wire.encode_prefix(header, payload.nbytes, wire.KIND_SHARED_MEMORY)
+            trailer = wire.encode_trailer(any(torn(leaf) for leaf in payload.leaves))
+            message = prefix + header + trailer
+            sent = socket.send_fds(sock, [message], [fd])
+            if sent < len(message):  # only a signal or a timeout splits a message this small
+                send_buffers(sock, [memoryview(message)[sent:]])
+        finally:
+            os.close(fd)
+        return True
 
     def _read_acks(self, sock: socket.socket) -> None:
         prefix = bytearray(wire.ACK.size)
@@ -459,6 +517,13 @@ class _Channel:
             seqs = list(self._inflight)
         for seq in seqs:
             self._finish(seq, None, reason)
+
+
+_TRANSPORT_NAMES = {
+    "tcp": "TCP",
+    "unix": "a Unix socket",
+    "shm": "a Unix socket, with shared memory for large arrays",
+}
 
 
 def _meta(pending: _Pending) -> dict[str, Any]:

@@ -6,19 +6,16 @@ or a notebook can change a variable and then create a client or a server.
 
 from __future__ import annotations
 
+import logging
 import os
 
 DEFAULT_PORT = 2875
 
+_log = logging.getLogger("thing")
+
 
 def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(float(raw))
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+    return int(_env_float(name, default))
 
 
 def _env_float(name: str, default: float) -> float:
@@ -28,7 +25,9 @@ def _env_float(name: str, default: float) -> float:
     try:
         return float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+        # A typo in a variable must not stop a training job: say so and go on.
+        _log.warning("ignoring %s=%r: not a number; using %s", name, raw, default)
+        return default
 
 
 def server_address() -> tuple[str, int]:
@@ -80,6 +79,25 @@ def connect_timeout() -> float:
 def reconnect_interval() -> float:
     """Longest pause between connection attempts (``THING_RECONNECT_INTERVAL``, 1)."""
     return _env_float("THING_RECONNECT_INTERVAL", 1.0)
+
+
+def transport() -> str:
+    """How a client reaches a server on this host (``THING_TRANSPORT``): auto, tcp, unix or shm.
+
+    ``auto`` (the default) and ``shm`` use the Unix socket with shared memory
+    for large arrays, ``unix`` the Unix socket alone; each falls back to the
+    next when unavailable.
+    """
+    value = os.environ.get("THING_TRANSPORT", "").strip().lower() or "auto"
+    if value not in ("auto", "tcp", "unix", "shm"):
+        _log.warning("ignoring THING_TRANSPORT=%r: use auto, tcp, unix or shm", value)
+        return "auto"
+    return value
+
+
+def shm_threshold() -> int:
+    """Payload bytes from which a capture goes through shared memory (``THING_SHM_THRESHOLD``)."""
+    return _env_int("THING_SHM_THRESHOLD", 1 << 20)
 
 
 # Server side -----------------------------------------------------------------

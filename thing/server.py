@@ -8,6 +8,8 @@ closes that connection and nothing of it is kept.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -15,13 +17,21 @@ import select
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-from . import auth, config, wire
+from . import auth, config, shm, wire
 from ._core import recv_buffers, send_buffers
 from .arrays import allocate, finish
 from .errors import HandshakeError, LimitExceeded, ProtocolError
-from .sockets import listen, set_timeouts, tune_stream
+from .sockets import (
+    listen,
+    listen_unix,
+    peer_uid,
+    set_timeouts,
+    tune_stream,
+    unix_socket_path,
+)
 from .store import Capture, HistoryStore, Sender
 
 log = logging.getLogger("thing")
@@ -56,7 +66,12 @@ class Server:
         self.idle_timeout = config.idle_timeout()
         self.max_connections = config.max_connections()
         self._listener: socket.socket | None = None
+        self._unix_listener: socket.socket | None = None
+        self.unix_path: Path | None = None  # the same-host Unix socket, while running
         self._connections: dict[socket.socket, Sender] = {}
+        # Handshakes and frame headers must arrive whole by a deadline: SO_RCVTIMEO alone
+        # restarts on every byte, so a peer trickling one byte at a time would never time out.
+        self._deadlines: dict[socket.socket, float] = {}
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closing = threading.Event()
@@ -84,9 +99,25 @@ class Server:
                 self.token,
             )
         self._closing.clear()
-        self._spawn(self._accept_loop, "thing-accept")
+        self._spawn(self._accept_loop, "thing-accept", self._listener)
+        self._spawn(self._enforce_deadlines, "thing-deadlines")
+        self._listen_on_this_host()
         log.info("Server started at port %d.", self.port)
         return self
+
+    def _listen_on_this_host(self) -> None:
+        """Also listen on a Unix socket, the fast path for clients on this machine."""
+        path = unix_socket_path(self.port)
+        if path is None:
+            log.debug("no private directory for a Unix socket; TCP only")
+            return
+        try:
+            self._unix_listener = listen_unix(path)
+        except OSError as exc:
+            log.debug("cannot listen on %s (%s); TCP only", path, exc)
+            return
+        self.unix_path = path
+        self._spawn(self._accept_loop, "thing-accept-unix", self._unix_listener)
 
     def close(self) -> None:
         """Stop accepting, disconnect every client and wait for their threads."""
@@ -94,6 +125,8 @@ class Server:
             return
         self._closing.set()
         _shutdown(self._listener)
+        if self._unix_listener is not None:
+            _shutdown(self._unix_listener)
         with self._lock:
             for sock in self._connections:
                 _shutdown(sock)
@@ -101,6 +134,12 @@ class Server:
             thread.join(timeout=5)
         self._listener.close()
         self._listener = None
+        if self._unix_listener is not None:
+            self._unix_listener.close()
+            self._unix_listener = None
+            with contextlib.suppress(OSError):
+                self.unix_path.unlink()
+            self.unix_path = None
         if self._generated_token and self.token is not None:
             auth.remove_token_file(self.port, self.token)
             self._generated_token = False
@@ -184,16 +223,17 @@ class Server:
         self._threads.append(thread)
         thread.start()
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        listener = self._listener
+    def _accept_loop(self, listener: socket.socket) -> None:
         while not self._closing.is_set():
             try:
                 sock, address = listener.accept()
-            except OSError:
+            except OSError as exc:
                 if self._closing.is_set():
                     return
-                log.exception("accept failed; still listening")
+                # Out of descriptors or buffers: the pending connection stays pending, so
+                # retrying at once would spin. Pause, and say so once a minute at most.
+                self._warn_about("accept", f"accept failed ({exc}); still listening")
+                self._closing.wait(0.1)
                 continue
             name = _format_address(address)
             with self._lock:
@@ -213,16 +253,45 @@ class Server:
                 continue
             self._spawn(self._serve_connection, f"thing-conn-{name}", sock, name)
 
+    def _enforce_deadlines(self) -> None:
+        while not self._closing.wait(min(1.0, self.idle_timeout / 4)):
+            now = time.monotonic()
+            with self._lock:
+                late = [sock for sock, deadline in self._deadlines.items() if now > deadline]
+                for sock in late:
+                    del self._deadlines[sock]
+            for sock in late:
+                self._warn_about(
+                    self._connections.get(sock, Sender("?")).address,
+                    "dropped a peer too slow to finish its handshake or header",
+                )
+                _shutdown(sock)
+
+    def _start_deadline(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._deadlines[sock] = time.monotonic() + self.idle_timeout
+
+    def _stop_deadline(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._deadlines.pop(sock, None)
+
     def _serve_connection(self, sock: socket.socket, address: str) -> None:
         sender = Sender(address)
+        local = sock.family == socket.AF_UNIX
         try:
+            if local:
+                uid = peer_uid(sock)
+                if uid not in (None, 0, os.getuid()):
+                    raise HandshakeError(f"refused a Unix-socket peer of another user (uid {uid})")
             tune_stream(sock)
             set_timeouts(sock, self.idle_timeout, self.idle_timeout)
+            self._start_deadline(sock)
             sender = self._handshake(sock, address)
+            self._stop_deadline(sock)
             with self._lock:
                 self._connections[sock] = sender
             log.debug("client connected: %s (pid %d on %s)", address, sender.pid, sender.hostname)
-            while self._wait_readable(sock) and self._receive_frame(sock, sender):
+            while self._wait_readable(sock) and self._receive_frame(sock, sender, local):
                 pass
         except (HandshakeError, ProtocolError) as exc:
             self._warn_about(address, f"dropped {address}: {exc}")
@@ -236,6 +305,7 @@ class Server:
         finally:
             with self._lock:
                 self._connections.pop(sock, None)
+                self._deadlines.pop(sock, None)
             sock.close()
 
     def _warn_about(self, address: str, message: str) -> None:
@@ -272,7 +342,7 @@ class Server:
         send_buffers(sock, [wire.encode_handshake({"server": "thing", "pid": os.getpid()})])
         return Sender(
             address=address,
-            hostname=str(info.get("hostname", "?"))[:255],
+            hostname=_printable(str(info.get("hostname", "?"))[:255]),
             pid=_int_or(info.get("pid"), 0),
         )
 
@@ -285,33 +355,51 @@ class Server:
                 return True
         return False
 
-    def _receive_frame(self, sock: socket.socket, sender: Sender) -> bool:
+    def _receive_frame(self, sock: socket.socket, sender: Sender, local: bool) -> bool:
         """Receive, validate and store one frame; False when the peer closed between frames."""
-        prefix = bytearray(wire.FRAME_PREFIX.size)
+        self._start_deadline(sock)
         try:
-            recv_buffers(sock, [prefix])
+            prefix, fds = _recv_prefix(sock, local)
         except ConnectionResetError:
             return False  # a clean close between frames
-        header_len, payload_len = wire.decode_prefix(bytes(prefix), self.limits)
+        try:
+            return self._receive_rest(sock, sender, prefix, fds)
+        finally:
+            for fd in fds:  # descriptors we did not adopt, e.g. sent by a misbehaving peer
+                os.close(fd)
+
+    def _receive_rest(
+        self, sock: socket.socket, sender: Sender, prefix: bytes, fds: list[int]
+    ) -> bool:
+        kind, header_len, payload_len = wire.decode_prefix(prefix, self.limits)
+        shared = kind == wire.KIND_SHARED_MEMORY
+        if len(fds) != shared:
+            raise ProtocolError(f"a frame of kind {kind} came with {len(fds)} descriptors")
         header = wire.decode_header(_recv_exact(sock, header_len), payload_len, self.limits)
+        # The payload may take long on a slow link; SO_RCVTIMEO still drops a stalled one.
+        self._stop_deadline(sock)
         try:
             self.store.reserve(payload_len)
         except LimitExceeded as exc:
-            _discard(sock, payload_len + wire.FRAME_TRAILER.size)
+            _discard(sock, (0 if shared else payload_len) + wire.FRAME_TRAILER.size)
             send_buffers(sock, [wire.encode_ack(header.seq, -1, str(exc))])
             log.warning("rejected %r from %s: %s", header.name, sender.address, exc)
             return True
         stored = False
         try:
-            arrays = [allocate(spec) for spec in header.leaves]
             trailer = bytearray(wire.FRAME_TRAILER.size)
-            recv_buffers(sock, [array for array in arrays if array.nbytes] + [trailer])
+            if shared:
+                arrays = shm.adopt(fds.pop(), header.leaves)
+                recv_buffers(sock, [trailer])
+            else:
+                arrays = [allocate(spec) for spec in header.leaves]
+                recv_buffers(sock, [array for array in arrays if array.nbytes] + [trailer])
             modified = wire.decode_trailer(bytes(trailer))
             value = wire.build_value(
                 header.tree, [finish(s, a) for s, a in zip(header.leaves, arrays)]
             )
             capture = self.store.add(
-                header.name,
+                None if header.name is None else _printable(header.name),
                 value,
                 header.leaves,
                 payload_len,
@@ -321,12 +409,39 @@ class Server:
                 modified_during_send=modified,
             )
             stored = True
+        except LimitExceeded as exc:  # the whole frame was read: the stream is still in step
+            send_buffers(sock, [wire.encode_ack(header.seq, -1, str(exc))])
+            log.warning("rejected %r from %s: %s", header.name, sender.address, exc)
+            return True
         finally:
             if not stored:
                 self.store.release(payload_len)
         self.received += 1
         send_buffers(sock, [wire.encode_ack(header.seq, capture.id)])
         return True
+
+
+def _recv_prefix(sock: socket.socket, local: bool) -> tuple[bytes, list[int]]:
+    """A frame prefix, and on a Unix socket the descriptors that came with it."""
+    if not local:
+        return _recv_exact(sock, wire.FRAME_PREFIX.size), []
+    prefix, fds = b"", []
+    flags = socket.MSG_WAITALL | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+    while len(prefix) < wire.FRAME_PREFIX.size:
+        data, received, message_flags, _ = socket.recv_fds(
+            sock, wire.FRAME_PREFIX.size - len(prefix), 4, flags
+        )
+        fds += received
+        if message_flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError("a peer sent more descriptors than a frame carries")
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionResetError(errno.ECONNRESET, "peer closed the connection")
+        prefix += data
+    return prefix, fds
 
 
 def _sender_of(meta: dict[str, Any], connection: Sender) -> Sender:
@@ -382,4 +497,15 @@ def _float_or(value: Any) -> float | None:
 
 
 def _str_or(value: Any) -> str | None:
-    return value[:1024] if isinstance(value, str) else None
+    return _printable(value[:1024]) if isinstance(value, str) else None
+
+
+def _printable(text: str) -> str:
+    """``text`` with every character a terminal would act on shown escaped.
+
+    Names, hostnames and call sites are chosen by peers and end up in the
+    researcher's terminal: no escape sequences, no unpaired surrogates.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)

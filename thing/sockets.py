@@ -1,9 +1,14 @@
-"""Socket plumbing shared by client and server: addresses, options, timeouts."""
+"""Socket plumbing shared by client and server: addresses, options, timeouts, Unix sockets."""
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import socket
+import stat
 import struct
+import tempfile
+from pathlib import Path
 
 
 def parse_address(text: str, default_port: int) -> tuple[str, int]:
@@ -74,3 +79,75 @@ def listen(host: str, port: int, backlog: int = 128) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+# -- the same-host path ---------------------------------------------------------
+
+
+def unix_socket_path(port: int) -> Path | None:
+    """Where the server of TCP ``port`` also listens on this host; None if nowhere is safe.
+
+    The directory is ``$XDG_RUNTIME_DIR/thing`` (else ``<tmp>/thing-<uid>``),
+    mode 0700 and owned by this user: nobody else can even reach the socket.
+    """
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and os.path.isdir(runtime):
+        directory = Path(runtime) / "thing"
+    else:
+        directory = Path(tempfile.gettempdir()) / f"thing-{os.getuid()}"
+    try:
+        directory.mkdir(mode=0o700, exist_ok=True)
+        info = directory.lstat()
+    except OSError:
+        return None
+    private = stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+    if not private or info.st_mode & 0o077:
+        return None
+    return directory / f"{port}.sock"
+
+
+def listen_unix(path: Path, backlog: int = 128) -> socket.socket:
+    """Bind and listen on the Unix socket ``path``, replacing a stale one left by a dead server."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if path.is_socket():
+            path.unlink()
+        sock.bind(str(path))
+        os.chmod(path, 0o600)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def connect_unix(path: Path, timeout: float) -> socket.socket:
+    """Open a connection to the Unix socket ``path`` within ``timeout`` seconds."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        set_timeouts(sock, timeout, timeout)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The user id of the process at the other end of a Unix socket, where the OS tells."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:  # pragma: no cover - not Linux; the 0700 directory still guards
+        return None
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, option, 12))
+    return uid
+
+
+def is_this_host(host: str) -> bool:
+    """True if ``host`` names this machine (loopback, or this host's own name)."""
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -144,6 +144,13 @@ class HistoryStore:
         """Store a received capture whose ``nbytes`` were reserved; return it with its new id."""
         extra = RECORD_BYTES + _header_bytes(value)  # outside the lock: it walks the value
         with self._changed:
+            if nbytes + extra > self.max_bytes:
+                # Values that came in the header were not reserved; alone they may not fit.
+                self.rejected += 1
+                raise LimitExceeded(
+                    f"capture of about {nbytes + extra} bytes is larger than the store's cap "
+                    f"of {self.max_bytes}"
+                )
             capture = Capture(self._next_id, name, value, leaves, nbytes, sender, **details)
             self._next_id += 1
             self._reserved -= nbytes

@@ -33,6 +33,8 @@ MAX_HANDSHAKE_JSON = 64 << 10
 FRAME_PREFIX = struct.Struct("<2sHIQ")
 FRAME_TAG = b"TF"
 KIND_CAPTURE = 1
+# The payload is not in the stream but in a sealed memfd passed with the prefix (SCM_RIGHTS).
+KIND_SHARED_MEMORY = 2
 # b"TE", flags, reserved: sent after the payload, when the sender knows whether it tore
 FRAME_TRAILER = struct.Struct("<2sHI")
 TRAILER_TAG = b"TE"
@@ -168,9 +170,9 @@ def encode_header(seq: int, name: str | None, payload: Payload, meta: dict[str, 
     return json.dumps(document, separators=(",", ":")).encode()
 
 
-def encode_prefix(header: bytes, payload_len: int) -> bytes:
+def encode_prefix(header: bytes, payload_len: int, kind: int = KIND_CAPTURE) -> bytes:
     """The fixed-size part that opens a capture frame."""
-    return FRAME_PREFIX.pack(FRAME_TAG, KIND_CAPTURE, len(header), payload_len)
+    return FRAME_PREFIX.pack(FRAME_TAG, kind, len(header), payload_len)
 
 
 def encode_trailer(modified_during_send: bool) -> bytes:
@@ -194,10 +196,10 @@ class FrameHeader:
     meta: dict[str, Any]
 
 
-def decode_prefix(prefix: bytes, limits: Limits) -> tuple[int, int]:
-    """Check a frame prefix; return ``(header_length, payload_length)``."""
+def decode_prefix(prefix: bytes, limits: Limits) -> tuple[int, int, int]:
+    """Check a frame prefix; return ``(kind, header_length, payload_length)``."""
     tag, kind, header_len, payload_len = _unpack(FRAME_PREFIX, prefix, "frame prefix")
-    if tag != FRAME_TAG or kind != KIND_CAPTURE:
+    if tag != FRAME_TAG or kind not in (KIND_CAPTURE, KIND_SHARED_MEMORY):
         raise ProtocolError(f"bad frame prefix {prefix!r}")
     if header_len > limits.max_header_bytes:
         raise LimitExceeded(f"header of {header_len} bytes exceeds {limits.max_header_bytes}")
@@ -205,7 +207,7 @@ def decode_prefix(prefix: bytes, limits: Limits) -> tuple[int, int]:
         raise LimitExceeded(
             f"capture of {header_len + payload_len} bytes exceeds {limits.max_capture_bytes}"
         )
-    return header_len, payload_len
+    return kind, header_len, payload_len
 
 
 def decode_trailer(trailer: bytes) -> bool:

@@ -19,7 +19,7 @@ from cpython.buffer cimport (
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.errno cimport EAGAIN, ECONNRESET, EINTR, errno
-from libc.string cimport memset, strerror
+from libc.string cimport memcpy, memset, strerror
 
 cdef extern from "<sys/uio.h>":
     struct iovec:
@@ -146,3 +146,25 @@ def recv_buffers(sock, buffers) -> int:
     Raises ``ConnectionResetError`` if the peer closes before all are filled.
     """
     return _run(sock, buffers, False)
+
+
+def copy_into(destination, source) -> int:
+    """Copy all bytes of ``source`` into the start of writable ``destination``; return the count.
+
+    One ``memcpy`` with the GIL released: the single copy of the shared-memory path.
+    """
+    cdef Py_buffer dst
+    cdef Py_buffer src
+    PyObject_GetBuffer(destination, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+    try:
+        PyObject_GetBuffer(source, &src, PyBUF_C_CONTIGUOUS)
+        try:
+            if src.len > dst.len:
+                raise ValueError(f"cannot copy {src.len} bytes into {dst.len}")
+            with nogil:
+                memcpy(dst.buf, src.buf, <size_t>src.len)
+            return src.len
+        finally:
+            PyBuffer_Release(&src)
+    finally:
+        PyBuffer_Release(&dst)

@@ -62,3 +62,13 @@ def send_buffers(sock: socket.socket, buffers: Sequence) -> int:
 def recv_buffers(sock: socket.socket, buffers: Sequence) -> int:
     """Fill every writable buffer of ``buffers`` in order; return the bytes received."""
     return _transfer(sock, buffers, sending=False)
+
+
+def copy_into(destination: object, source: object) -> int:
+    """Copy all bytes of ``source`` into the start of writable ``destination``; return the count."""
+    src = _byte_view(source, writable=False)
+    dst = _byte_view(destination, writable=True)
+    if src.nbytes > dst.nbytes:
+        raise ValueError(f"cannot copy {src.nbytes} bytes into {dst.nbytes}")
+    dst[: src.nbytes] = src
+    return src.nbytes
