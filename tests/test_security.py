@@ -517,11 +517,8 @@ def test_stalled_peers_are_dropped_while_another_client_streams() -> None:
         server.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "thing/server.py:220 and 349-352: the idle timeout is SO_RCVTIMEO, which restarts on "
-    "every byte, so a peer trickling its hello (or a header) a byte at a time is never dropped "
-    "and can hold a connection slot forever; the handshake needs an overall deadline"))
 def test_a_peer_trickling_its_hello_is_dropped_after_the_handshake_timeout() -> None:
+    """SO_RCVTIMEO restarts with every byte: the handshake needs a deadline of its own."""
     server = thing.Server(port=0)
     server.idle_timeout = 1.0
     server.start()
@@ -607,12 +604,8 @@ def test_a_flood_is_bounded_by_the_store_cap_and_keeps_the_newest() -> None:
             assert np.array_equal(server.get(name), np.full(16384, i, dtype=np.int32))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "thing/store.py:145 and 166 (HistoryStore.add): a value that travels in the header (a list of "
-    "floats) reserves 0 payload bytes and its Python objects are charged only after they "
-    "exist; the eviction loop keeps the newest capture even when it alone exceeds max_bytes, "
-    "so one 8 MB header holds ~80 MB in a 1 MiB store"))
 def test_header_borne_values_respect_the_store_cap() -> None:
+    """Numbers and strings travel in the header, unreserved: alone they may not exceed the cap."""
     with thing.Server(port=0, store=HistoryStore(max_bytes=1 << 20)) as server:
         client = thing.Client("127.0.0.1", server.port)
         try:
@@ -672,39 +665,44 @@ def test_running_out_of_file_descriptors_does_not_spin_the_accept_loop() -> None
 
 # -- text a peer chooses, shown in the researcher's terminal ------------------------------------
 
-SUMMARY_OF_A_PEER_NAME = """
-import sys
+PEER_TEXT = r"""
+import json, socket, sys
 import numpy as np, thing
+from thing import wire
+field, evil = sys.argv[1], sys.argv[2].encode().decode("unicode_escape")
 server = thing.Server(port=0).start()
-client = thing.Client("127.0.0.1", server.port)
-assert client.catch(np.arange(3), name=sys.argv[1].encode().decode("unicode_escape")).wait(10)
-client.close()
+peer = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+peer.sendall(wire.encode_handshake({"hostname": evil if field == "hostname" else "h", "pid": 1}))
+payload = wire.take_apart(evil if field == "value" else np.arange(3))
+header = wire.encode_header(0, evil if field == "name" else "n", payload,
+                            {"site": evil} if field == "site" else {})
+data = b"".join(bytes(memoryview(leaf.source).cast("B")) for leaf in payload.leaves)
+try:
+    peer.sendall(wire.encode_prefix(header, payload.nbytes) + header + data
+                 + wire.encode_trailer(False))
+    peer.recv(4096, socket.MSG_WAITALL)  # the handshake and the ack, or the end
+except OSError:
+    pass  # refused: as good an answer as any
+import time; deadline = time.monotonic() + 5
+while not server.store.received and time.monotonic() < deadline and server.clients():
+    time.sleep(0.01)
 server.summary()
+for capture in server.store.latest():
+    server.describe(capture.id)
 server.close()
-print("summary shown")
+print("shown")
 """
 
+EVIL_TEXT = {"lone surrogate": "bad\\ud800text",
+             "terminal escapes": "esc\\x1b]52;c;cHduZWQ=\\x07\\x1b[2Jtext"}
 
-def _summary_with_peer_name(escaped_name: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SUMMARY_OF_A_PEER_NAME), escaped_name],
+
+@pytest.mark.parametrize(("field", "evil"), [
+    pytest.param(field, evil, id=f"{field}-{evil}") for field in ("name", "value", "hostname",
+                                                                 "site") for evil in EVIL_TEXT])
+def test_text_a_peer_chooses_cannot_break_or_hijack_the_terminal(field: str, evil: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(PEER_TEXT), field, EVIL_TEXT[evil]],
         env=script_env(PYTHONIOENCODING="utf-8"), capture_output=True, text=True, timeout=60)
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "thing/wire.py:233-235 accepts any JSON string as a name, lone surrogates included, and "
-    "thing/display.py:383-388 prints it, so summary() raises UnicodeEncodeError in the "
-    "REPL for as long as a peer's capture named '\\ud800' is kept"))
-def test_a_peer_name_with_a_lone_surrogate_does_not_break_summary() -> None:
-    result = _summary_with_peer_name("bad\\ud800name")
-    assert result.returncode == 0 and "summary shown" in result.stdout, result.stderr[-2000:]
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "thing/display.py:327-340 prints peer-chosen names as they are (rich strips BEL/CR but "
-    "not ESC), so a peer can send terminal escape sequences (colours, window title, OSC 52 "
-    "clipboard writes) into the researcher's terminal via summary()"))
-def test_terminal_escapes_in_a_peer_name_are_not_passed_through() -> None:
-    result = _summary_with_peer_name("esc\\x1b]52;c;cHduZWQ=\\x1b\\\\name")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "\x1b]52" not in result.stdout
+    assert result.returncode == 0 and "shown" in result.stdout, result.stderr[-3000:]
+    assert "\x1b" not in result.stdout  # rich styles nothing into a pipe: any ESC is the peer's
