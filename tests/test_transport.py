@@ -181,13 +181,43 @@ def digest(value: Any) -> Any:
     return {type(value).__name__: value}
 
 
+def in_shared_memory(value: Any) -> list[bool]:
+    """For each numpy array / torch tensor with bytes in ``value``: is it backed by a memfd mapping?
+
+    numpy arrays must reach an ``mmap.mmap`` through their ``.base`` chain;
+    torch tensors (whose bases are hidden) must point into a ``memfd:thing``
+    mapping of this process.
+    """
+    import mmap
+    import sys
+
+    import numpy as np
+
+    torch = sys.modules.get("torch")
+    if isinstance(value, (list, tuple)):
+        return [flag for item in value for flag in in_shared_memory(item)]
+    if isinstance(value, dict):
+        return [flag for item in value.values() for flag in in_shared_memory(item)]
+    if isinstance(value, np.ndarray) and value.nbytes:
+        base = value
+        while base is not None and not isinstance(base, mmap.mmap):
+            base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+        return [base is not None]
+    if torch is not None and isinstance(value, torch.Tensor) and value.nbytes:
+        with open("/proc/self/maps") as maps:
+            spans = [line.split()[0].split("-") for line in maps if "memfd:thing" in line]
+        address = value.data_ptr()
+        return [any(int(start, 16) <= address < int(end, 16) for start, end in spans)]
+    return []
+
+
 def _source(*functions: Any) -> str:
     return "\n\n".join(textwrap.dedent(inspect.getsource(f)) for f in functions)
 
 
 SHARED = "\n\n".join([
     "from typing import Any",
-    _source(pattern, numpy_cases, torch_cases, jax_cases, flat_bytes, digest),
+    _source(pattern, numpy_cases, torch_cases, jax_cases, flat_bytes, digest, in_shared_memory),
     f"TORCH_DTYPES = {TORCH_DTYPES!r}\nJAX_DTYPES = {JAX_DTYPES!r}\n",
 ])
 

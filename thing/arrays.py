@@ -188,13 +188,6 @@ def torn(leaf: Leaf) -> bool:
     return leaf.version is not None and leaf.source._version != leaf.version
 
 
-def allocate(spec: LeafSpec) -> np.ndarray:
-    """The destination of one leaf's bytes: a fresh array the user will receive as-is."""
-    if spec.framework == "bytes":
-        return np.empty(spec.shape, np.uint8)
-    return np.empty(spec.shape, CARRIER_DTYPES[spec.dtype])
-
-
 def finish(spec: LeafSpec, received: np.ndarray) -> Any:
     """Turn received memory into the object the user gets, without copying array data."""
     if spec.framework == "bytes":

@@ -22,7 +22,8 @@ from typing import Any
 
 from . import auth, config, shm, wire
 from ._core import recv_buffers, send_buffers
-from .arrays import allocate, finish
+from .arrays import finish
+from .buffers import ReceiveBuffers
 from .errors import HandshakeError, LimitExceeded, ProtocolError
 from .sockets import (
     listen,
@@ -62,6 +63,8 @@ class Server:
         self._configured_token = token
         self._generated_token = False
         self.store = store if store is not None else HistoryStore()
+        # Warm memory for the next captures: an eighth of the store's cap, 1 GiB at most.
+        self.buffers = ReceiveBuffers(min(self.store.max_bytes // 8, 1 << 30))
         self.limits = limits if limits is not None else wire.Limits()
         self.idle_timeout = config.idle_timeout()
         self.max_connections = config.max_connections()
@@ -134,6 +137,7 @@ class Server:
             thread.join(timeout=5)
         self._listener.close()
         self._listener = None
+        self.buffers.clear()
         if self._unix_listener is not None:
             self._unix_listener.close()
             self._unix_listener = None
@@ -181,7 +185,10 @@ class Server:
 
     def clear(self, name: str | None = None) -> int:
         """Forget one name's history, or everything; return how many captures were dropped."""
-        return self.store.clear(name)
+        dropped = self.store.clear(name)
+        if name is None:
+            self.buffers.clear()
+        return dropped
 
     def summary(self, max_items: int | None = 5) -> None:
         """Print a table of what this server received (see ``thing.summary``)."""
@@ -392,7 +399,7 @@ class Server:
                 arrays = shm.adopt(fds.pop(), header.leaves)
                 recv_buffers(sock, [trailer])
             else:
-                arrays = [allocate(spec) for spec in header.leaves]
+                arrays = [self.buffers.array(spec) for spec in header.leaves]
                 recv_buffers(sock, [array for array in arrays if array.nbytes] + [trailer])
             modified = wire.decode_trailer(bytes(trailer))
             value = wire.build_value(

@@ -1,0 +1,379 @@
+"""Faults while clients stream: a server killed and restarted, a network that cuts, a flood.
+
+After each: every stored array matches what its sender computed (each array
+carries its sender and sequence number, the rest is derived from them, so the
+receiver can recompute it), nothing leaks, the counts of what was dropped are
+visible, and the senders' ``catch()`` calls never stalled. The soak at the end
+floods a byte-capped server in a child process and samples its RSS.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import thing
+from thing import wire
+from thing.store import HistoryStore
+
+from .conftest import script_env
+from .test_security import Relay, frame_bytes, open_fds, poll, raw_peer
+
+# -- arrays a receiver can check on its own -------------------------------------------------
+
+SMALL, LARGE = 4096, 163_840  # int64 elements: 32 KiB, and 1.25 MiB (above the shm threshold)
+
+
+
+def make_array(sender, i, size):  # its source is sent to the client processes too
+    """The ``i``-th array of ``sender``: its first elements say who and which, the rest follows."""
+    array = np.random.default_rng([sender, i]).integers(-2**62, 2**62, size=size, dtype=np.int64)
+    array[:3] = sender, i, size
+    return array
+
+
+# The same function in the client processes.
+MAKE_ARRAY = "import numpy as np\n" + inspect.getsource(make_array)
+
+
+def verify(array: np.ndarray) -> tuple[int, int]:
+    """Check an array made by ``make_array`` bit for bit; return its (sender, i)."""
+    assert isinstance(array, np.ndarray) and array.dtype == np.int64 and array.ndim == 1
+    sender, i, size = (int(x) for x in array[:3])
+    assert size == array.size, f"array from {sender}/{i} has {array.size} elements, not {size}"
+    expected = make_array(sender, i, size)
+    assert array.tobytes() == expected.tobytes(), f"array {i} from sender {sender} is corrupted"
+    return sender, i
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _start(code: str, port: int | None = None, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], env=script_env(port, **env), text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _expect(process: subprocess.Popen, prefix: str) -> str:
+    assert process.stdout is not None
+    line = process.stdout.readline()  # each script prints within seconds or dies
+    if not line.startswith(prefix):
+        process.kill()
+        raise AssertionError(f"expected {prefix!r}, got {line!r}:\n{process.communicate()[1]}")
+    return line
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen]]:
+    """Subprocesses a test starts; whatever still runs at the end is killed."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+
+
+# -- a server killed and restarted while 8 clients stream ---------------------------------------
+
+RESTART_SERVER = """
+import os, sys, time, thing
+server = thing.Server(port=int(os.environ["SERVE_PORT"])).start()
+print("serving", flush=True)
+deadline = time.monotonic() + 60
+while len(server.store.names()) < 8 and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("all", len(server.store.names()), flush=True)
+sys.stdin.readline()  # killed before this returns
+"""
+
+STREAMING_CLIENT = MAKE_ARRAY + """
+import os, time
+import thing
+sender, duration = int(os.environ["SENDER"]), float(os.environ["DURATION"])
+started = time.monotonic()
+worst = 0.0
+i = 0
+while time.monotonic() - started < duration:
+    array = make_array(sender, i, LARGE if i % 20 == 19 else SMALL)
+    before = time.perf_counter()
+    thing.catch(array, name=f"client-{sender}")  # never blocks, never raises
+    worst = max(worst, time.perf_counter() - before)
+    i += 1
+    time.sleep(0.01)  # a training step
+print("done", worst, i, flush=True)
+""".replace("LARGE", str(LARGE)).replace("SMALL", str(SMALL))
+
+
+def test_server_killed_and_restarted_while_eight_clients_stream(processes) -> None:
+    port = _free_port()
+    cap = str(128 << 20)
+    first = _start(RESTART_SERVER, SERVE_PORT=str(port), THING_STORE_BYTES=cap)
+    processes.append(first)
+    _expect(first, "serving")
+    clients = []
+    for sender in range(8):  # half over TCP, half over the same-host path (Unix socket, shm)
+        transport = "tcp" if sender % 2 else "auto"
+        clients.append(_start(STREAMING_CLIENT, port, SENDER=str(sender), DURATION="8",
+                              THING_TRANSPORT=transport))
+    processes.extend(clients)
+    assert _expect(first, "all").split() == ["all", "8"]
+    first.send_signal(signal.SIGKILL)  # mid-stream: some frames are cut in half
+    first.wait(10)
+    killed_at = time.monotonic()
+    with thing.Server(port=port, store=HistoryStore(max_bytes=int(cap))) as second:
+        # The clients find the new server by themselves.
+        poll(lambda: len(second.store.names()) == 8, 15,
+             f"all 8 clients to reach the new server, got {second.store.names()}")
+        reconnected = time.monotonic() - killed_at
+        for client in clients:
+            out, err = client.communicate(timeout=30)
+            assert client.returncode == 0, err
+            _, worst, count = out.split()
+            assert float(worst) < 1.0, f"a catch() call took {float(worst):.3f} s"
+            assert int(count) > 50
+        kept = 0
+        for sender in range(8):
+            captures = second.store.get_all(f"client-{sender}")
+            for capture in captures:
+                assert verify(capture.value)[0] == sender
+            kept += len(captures)
+        assert kept > 8
+    assert reconnected < 10
+
+
+# -- a network that cuts connections mid-frame ----------------------------------------------------
+
+
+def test_cut_connections_store_nothing_corrupted_and_leak_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("THING_TRANSPORT", "tcp")
+    rng = random.Random(7)
+    budgets = [rng.randrange(200, 3 << 20) for _ in range(5)]
+    baseline_fds, baseline_threads = open_fds(), threading.active_count()
+    server = thing.Server(port=0, store=HistoryStore(max_bytes=256 << 20)).start()
+    relay = Relay(server.port, cut_after=lambda: budgets.pop() if budgets else None)
+    client = thing.Client("127.0.0.1", relay.port, max_queue_bytes=64 << 20)
+    try:
+        handles = []
+        started = time.monotonic()
+        i = 0
+        stored_after_cuts = 0
+        while stored_after_cuts < 20:
+            assert time.monotonic() - started < 30, f"{relay.cuts} cuts, stuck"
+            size = (64 << 10) + (i * 7919) % (1 << 17)  # 0.5 to 1.5 MiB
+            handles.append((relay.cuts, client.catch(make_array(0, i, size), name="cut")))
+            if relay.cuts == 5:
+                stored_after_cuts = sum(h.done and h.wait(0) for cuts, h in handles if cuts == 5)
+            i += 1
+            time.sleep(0.005)
+        assert client.flush(15)
+        results = [h.wait(0) for _, h in handles]
+        assert all(h.done for _, h in handles)
+        lost = results.count(False)
+        assert relay.cuts == 5 and 0 < lost < len(results)
+        # Every stored array is whole; whatever was cut was not kept.
+        kept = server.store.get_all("cut")
+        assert len(kept) == server.store.received >= results.count(True)
+        for capture in kept:
+            verify(capture.value)
+    finally:
+        client.close()
+        relay.close()
+    poll(lambda: not server.clients(), 10, "the server to see every connection go")
+    server.store.clear()
+    assert server.store.held_bytes == 0  # no reservation of a cut frame was left behind
+    server.close()
+    poll(lambda: threading.active_count() <= baseline_threads, 10,
+         f"threads back to {baseline_threads}: {threading.enumerate()}")
+    poll(lambda: open_fds() <= baseline_fds, 10, f"descriptors back to {baseline_fds}")
+
+
+# -- what was dropped is counted, and shown -------------------------------------------------------
+
+
+def test_drops_are_counted_and_summary_shows_them(capsys: pytest.CaptureFixture) -> None:
+    with thing.Server(port=0, store=HistoryStore(max_bytes=1 << 20)) as server:
+        client = thing.Client("127.0.0.1", server.port, max_queue_items=2)
+        try:
+            for i in range(12):  # 12 x 128 KiB into 1 MiB: the oldest are evicted
+                assert client.catch(make_array(1, i, SMALL * 4), name="evictee",
+                                    block=True).wait(10)
+            too_big = client.catch(np.zeros(2 << 20, np.uint8), name="too-big")
+            assert too_big.wait(10) is False and "larger than the store" in too_big.error
+            burst = [client.catch(np.ones(1 << 14), name="burst") for _ in range(50)]
+            assert client.flush(15)
+            assert client.dropped > 0 and sum(h.wait(0) for h in burst) < 50
+        finally:
+            client.close()
+        assert server.store.evicted >= 4 and server.store.rejected == 1
+        for capture in server.store.get_all("evictee"):
+            verify(capture.value)
+        capsys.readouterr()
+        server.summary()
+        shown = capsys.readouterr().out
+    assert f"{server.store.evicted} evicted" in shown
+    assert "1 refused" in shown
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "thing/server.py counts refused connections (Server.refused) but no dropped transfers "
+    "(frames cut mid-way, peers dropped for bad frames or timeouts), and thing/display.py:"
+    "show_summary shows neither: the issue wants 'the counts of what was dropped are visible "
+    "in summary()' after a network cut or a killed client"))
+def test_summary_shows_transfers_cut_mid_frame_and_refused_connections(
+        capsys: pytest.CaptureFixture) -> None:
+    server = thing.Server(port=0)
+    server.max_connections = 1
+    server.start()
+    try:
+        frame = frame_bytes(np.arange(1 << 18, dtype=np.float32), "cut-short")
+        with raw_peer(server.port) as peer:
+            peer.sendall(frame[: len(frame) // 2])  # then the connection ends mid-payload
+        poll(lambda: not server.clients(), 10, "the cut connection to be dropped")
+        with raw_peer(server.port), socket.create_connection(("127.0.0.1", server.port)) as extra:
+            extra.settimeout(10)
+            assert extra.recv(1) == b""  # refused: over the connection cap
+        poll(lambda: server.refused == 1, 10, "the refusal to be counted")
+        capsys.readouterr()
+        server.summary()
+        shown = capsys.readouterr().out
+        assert re.search(r"\b1\b[^;\n]*\b(dropped|incomplete|cut|lost|partial)", shown), shown
+        assert re.search(r"\b1\b[^;\n]*connections?[^;\n]*refused|refused[^;\n]*\b1\b[^;\n]*"
+                         r"connection", shown), shown
+    finally:
+        server.close()
+
+
+# -- soak: many senders against a byte-capped store; the server's RSS is sampled ----------------
+
+SOAK_SERVER = """
+import os, sys, thing
+from thing.store import HistoryStore
+server = thing.Server(port=0, store=HistoryStore(max_bytes=int(os.environ["CAP"]))).start()
+print(server.port, os.getpid(), flush=True)
+sys.stdin.readline()
+print(server.store.received, server.store.evicted, server.store.rejected,
+      server.store.held_bytes, flush=True)
+server.close()
+"""
+
+SOAK_SENDER = """
+import os, threading, time
+import numpy as np, thing
+duration = float(os.environ["DURATION"])
+client = thing.Client("127.0.0.1", int(os.environ["THING_PORT"]))
+def flood(thread):
+    rng = np.random.default_rng([os.getpid(), thread])
+    started = time.monotonic()
+    i = 0
+    while time.monotonic() - started < duration:
+        size = int(rng.integers(16 << 10, 2 << 20))  # float32 elements: 64 KiB to 8 MiB
+        client.catch(np.full(size, i, np.float32), name=f"s{os.getpid()}-{thread}-{i % 20}",
+                     block=True)
+        i += 1
+threads = [threading.Thread(target=flood, args=(t,)) for t in range(2)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+client.flush(20)
+print("sent", client.sent, flush=True)
+"""
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+def soak(cap: int, duration: float, processes: list, **env: str) -> dict[str, float]:
+    """Flood a server capped at ``cap`` bytes from 4 processes x 2 threads; sample its RSS."""
+    server = _start(SOAK_SERVER, CAP=str(cap), THING_TRANSPORT="tcp", **env)
+    processes.append(server)
+    port, pid = map(int, _expect(server, "").split())
+    baseline = _rss(pid)
+    senders = [_start(SOAK_SENDER, port, DURATION=str(duration), THING_TRANSPORT="tcp", **env)
+               for _ in range(4)]
+    processes.extend(senders)
+    peak = baseline
+    while any(sender.poll() is None for sender in senders):
+        peak = max(peak, _rss(pid))
+        time.sleep(0.02)
+    sent = 0
+    for sender in senders:
+        out, err = sender.communicate(timeout=30)
+        assert sender.returncode == 0, err
+        sent += int(out.split()[1])
+    assert server.stdin is not None
+    server.stdin.write("stats\n")
+    server.stdin.flush()
+    received, evicted, rejected, held = map(int, _expect(server, "").split())
+    server.communicate(timeout=30)
+    assert received == sent and rejected == 0 and held <= cap
+    return {"baseline": baseline, "peak": peak, "received": received, "evicted": evicted}
+
+
+MiB = 1 << 20
+SOAK_CAP = 64 * MiB
+# Everything the server holds beyond the store's bytes: the 1 MiB discard buffer, JSON headers
+# being parsed, eight connection threads' stacks, numpy's small-block cache. Measured: under
+# 1 MiB once the allocator hands freed arrays back; 64 MiB leaves room for a loaded machine.
+SOAK_MARGIN = 64 * MiB
+
+
+def test_soak_rss_stays_under_the_cap_plus_a_margin(processes) -> None:
+    # Fixing glibc's mmap threshold makes every freed array go back to the system at once (see
+    # the xfail below for the default): what remains is the store's own accounting.
+    figures = soak(SOAK_CAP, 7, processes, MALLOC_MMAP_THRESHOLD_=str(128 << 10))
+    assert figures["received"] * (64 << 10) > 4 * SOAK_CAP  # it really was a flood
+    assert figures["evicted"] > 0
+    grown = figures["peak"] - figures["baseline"]
+    assert grown < SOAK_CAP + SOAK_MARGIN, f"RSS grew {grown / MiB:.0f} MiB over its baseline"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "thing/arrays.py:allocate uses np.empty (malloc): glibc raises its mmap threshold to the "
+    "size of each freed array (up to 32 MiB), so later arrays come from per-thread heap arenas "
+    "that keep evicted memory; measured RSS plateaus at baseline + ~2.1x the cap (136 MiB over "
+    "a 64 MiB cap, 438 MiB over 256 MiB). Allocating large receive buffers with mmap directly, "
+    "or mallopt(M_MMAP_THRESHOLD) at server start, keeps it at the cap"))
+def test_soak_rss_with_the_default_allocator(processes) -> None:
+    figures = soak(SOAK_CAP, 7, processes)
+    grown = figures["peak"] - figures["baseline"]
+    assert grown < SOAK_CAP + SOAK_MARGIN, f"RSS grew {grown / MiB:.0f} MiB over its baseline"
+
+
+def test_a_flood_of_header_only_captures_is_bounded_too() -> None:
+    """Scalars travel in the header, with no payload to reserve: records are charged too."""
+    with thing.Server(port=0, store=HistoryStore(max_bytes=256 << 10)) as server:
+        with raw_peer(server.port) as peer:
+            frames = b"".join(frame_bytes(float(i), "scalar", seq=i) for i in range(5000))
+            peer.sendall(frames)
+            acks = b""
+            while len(acks) < 5000 * wire.ACK.size:
+                chunk = peer.recv(1 << 16)
+                assert chunk, "dropped"
+                acks += chunk
+        assert server.store.received == 5000
+        assert server.store.held_bytes <= 256 << 10 and server.store.evicted > 4000
+        assert server.get("scalar") == 4999.0

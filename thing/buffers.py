@@ -1,0 +1,73 @@
+"""Receive buffers: memory for the arrays the server receives into, recycled while warm.
+
+Touching fresh memory costs the kernel a page fault and a page of zeroes per
+4 KiB; on many machines that, not the copy, is what limits a receive. A
+training job tends to send the same shapes again and again, and the store
+evicts old versions as new ones arrive, so the memory of an evicted array is
+the ideal home for the next one of its size. Large arrays are therefore
+backed by anonymous mappings that go back to a small, byte-capped free list
+when the last array or tensor viewing them is gone, instead of back to the OS.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import weakref
+from collections import defaultdict
+
+import numpy as np
+
+from .arrays import CARRIER_DTYPES, LeafSpec
+
+# Below this, malloc's own free lists already keep memory warm.
+POOLED_FROM = 1 << 20
+
+
+class ReceiveBuffers:
+    """Hands out arrays to receive into; keeps up to ``max_bytes`` of freed ones for reuse."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._free: defaultdict[int, list[mmap.mmap]] = defaultdict(list)
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+
+    def array(self, spec: LeafSpec) -> np.ndarray:
+        """An uninitialised array of ``spec``'s carrier dtype and shape."""
+        dtype = CARRIER_DTYPES[spec.dtype]
+        nbytes = spec.nbytes
+        if nbytes < POOLED_FROM or self.max_bytes <= 0:
+            return np.empty(spec.shape, dtype)
+        with self._lock:
+            spare = self._free.get(nbytes)
+            memory = spare.pop() if spare else None
+            if memory is not None:
+                self._free_bytes -= nbytes
+        if memory is None:
+            memory = mmap.mmap(-1, nbytes)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                memory.madvise(mmap.MADV_HUGEPAGE)
+        array = np.frombuffer(memory, dtype, nbytes // dtype.itemsize).reshape(spec.shape)
+        # Runs when the array and every view of it (a torch tensor, a reshape) are gone.
+        weakref.finalize(array, self._give_back, memory)
+        return array
+
+    def _give_back(self, memory: mmap.mmap) -> None:
+        # The dying array still holds its export of ``memory`` here, so it cannot be
+        # closed now; a mapping left out simply unmaps once its last reference goes.
+        with self._lock:
+            if self._free_bytes + len(memory) <= self.max_bytes:
+                self._free[len(memory)].append(memory)
+                self._free_bytes += len(memory)
+
+    def clear(self) -> None:
+        """Return every spare buffer to the operating system."""
+        with self._lock:
+            self._free.clear()
+            self._free_bytes = 0
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes held for reuse, beyond those of stored captures."""
+        return self._free_bytes
