@@ -21,8 +21,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import auth, config, shm, wire
 from ._core import recv_buffers, send_buffers
@@ -95,8 +94,7 @@ QUEUE_FULL = CaptureHandle(None, "dropped: the send queue is full")
 FAILED = CaptureHandle(None, "catch failed; see the 'thing' log")
 
 
-@dataclass
-class _Pending:
+class _Pending(NamedTuple):
     name: str | None
     payload: wire.Payload
     site: CallSite | None
@@ -144,7 +142,7 @@ class Client:
         self.token = token
         self.max_queue_bytes = max_queue_bytes or config.queue_max_bytes()
         self.max_queue_items = max_queue_items or config.queue_max_items()
-        self._lock = threading.Condition()
+        self._lock = threading.Condition(threading.Lock())
         self._channels: dict[Any, _Channel] = {}
         self._throttles: dict[str | None, _Throttle] = {}
         self._names = NameTracer()
@@ -274,7 +272,7 @@ class Client:
 
     def _after_fork(self) -> None:
         """In a forked child: forget the parent's sockets and threads, start afresh."""
-        self._lock = threading.Condition()
+        self._lock = threading.Condition(threading.Lock())
         self._channels = {}
         self._queued_bytes = self._queued_items = 0
 
