@@ -26,6 +26,25 @@ import thing
 
 from .conftest import run_script, script_env, start_script
 
+TRANSPORTS = ["tcp", "unix", "shm"]
+# For the slow tests: every transport once and each backend at least once, not all six pairs.
+COVERING = [("compiled", "tcp"), ("python", "unix"), ("python", "shm")]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Force the client's path (``THING_TRANSPORT``), here and in subprocesses (they inherit).
+
+    On the shm path the threshold drops to 1 byte, so every capture with any
+    array bytes at all crosses in a memfd, not just those of a megabyte.
+    """
+    monkeypatch.setenv("THING_TRANSPORT", request.param)
+    if request.param == "shm":
+        monkeypatch.setenv("THING_SHM_THRESHOLD", "1")
+    else:
+        monkeypatch.delenv("THING_SHM_THRESHOLD", raising=False)
+    return request.param
+
 # -- the data, built identically in every process ------------------------------------
 
 
@@ -182,11 +201,11 @@ def digest(value: Any) -> Any:
 
 
 def in_shared_memory(value: Any) -> list[bool]:
-    """For each numpy array / torch tensor with bytes in ``value``: is it backed by a memfd mapping?
+    """For each numpy array / torch tensor with bytes in ``value``: does a memfd mapping back it?
 
-    numpy arrays must reach an ``mmap.mmap`` through their ``.base`` chain;
-    torch tensors (whose bases are hidden) must point into a ``memfd:thing``
-    mapping of this process.
+    A numpy array must reach an ``mmap.mmap`` through its ``.base`` chain, and
+    every array's data must lie in a ``memfd:thing`` mapping of this process
+    (large arrays received from the stream are mmap-backed too, but anonymous).
     """
     import mmap
     import sys
@@ -202,13 +221,16 @@ def in_shared_memory(value: Any) -> list[bool]:
         base = value
         while base is not None and not isinstance(base, mmap.mmap):
             base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
-        return [base is not None]
-    if torch is not None and isinstance(value, torch.Tensor) and value.nbytes:
-        with open("/proc/self/maps") as maps:
-            spans = [line.split()[0].split("-") for line in maps if "memfd:thing" in line]
+        if base is None:
+            return [False]
+        address = value.__array_interface__["data"][0]
+    elif torch is not None and isinstance(value, torch.Tensor) and value.nbytes:
         address = value.data_ptr()
-        return [any(int(start, 16) <= address < int(end, 16) for start, end in spans)]
-    return []
+    else:
+        return []
+    with open("/proc/self/maps") as maps:
+        spans = [line.split()[0].split("-") for line in maps if "/memfd:thing " in line]
+    return [any(int(start, 16) <= address < int(end, 16) for start, end in spans)]
 
 
 def _source(*functions: Any) -> str:
@@ -276,33 +298,52 @@ cases = {cases_expression}
 handles = {{name: thing.catch(value, name=name) for name, value in cases.items()}}
 failed = {{name: handle.error for name, handle in handles.items() if not handle.wait(60)}}
 assert not failed, failed
-print(len(handles))
+print(len(handles), thing._default_client._channels[None].transport)
 """
 
 
-def _check_received(server: thing.Server, cases: dict[str, Any]) -> None:
+def _check_received(
+    server: thing.Server, cases: dict[str, Any], transport: str | None = None
+) -> None:
     assert len(server.store) == len(cases)
     for name, sent in cases.items():
         assert server.store.versions(name) == 1, name
         assert_same(server.get(name), sent, name)
+        if transport is not None:
+            assert_path(server.capture(name), transport)
+
+
+def assert_path(capture: Any, transport: str) -> None:
+    """The capture came over ``transport``: its peer's address, and whether memfd-backed."""
+    address, value = capture.sender.address, capture.value
+    if transport == "tcp":
+        assert address.startswith("127.0.0.1:"), (capture.name, address)
+    else:
+        assert address == "local", (capture.name, address)  # a Unix-socket peer
+    mapped = in_shared_memory(value)
+    assert mapped == [transport == "shm"] * len(mapped), (capture.name, mapped)
+
+
+def _catch_all(server: thing.Server, cases_expression: str, prelude: str = "") -> str:
+    """Run the catch-all script against ``server``; return the transport the client used."""
+    count, used = run_script(_catch_all_script(cases_expression, prelude), server.port).split()
+    assert int(count) == len(server.store)
+    return used
 
 
 # -- client in a subprocess, server here -------------------------------------------------
 
 
-def test_numpy_every_dtype_and_layout(server: thing.Server, backend: str) -> None:
-    out = run_script(_catch_all_script("numpy_cases()"), server.port)
-    cases = numpy_cases()
-    assert int(out) == len(cases)
-    _check_received(server, cases)
+def test_numpy_every_dtype_and_layout(server: thing.Server, backend: str, transport: str) -> None:
+    assert _catch_all(server, "numpy_cases()") == transport
+    _check_received(server, numpy_cases(), transport)
 
 
-def test_torch_every_dtype_and_layout(server: thing.Server, backend: str) -> None:
-    out = run_script(_catch_all_script("torch_cases(torch)", "import torch"), server.port)
+def test_torch_every_dtype_and_layout(server: thing.Server, backend: str, transport: str) -> None:
+    assert _catch_all(server, "torch_cases(torch)", "import torch") == transport
     cases = torch_cases(torch)
-    assert int(out) == len(cases)
     assert {"uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"} <= set(cases)
-    _check_received(server, cases)
+    _check_received(server, cases, transport)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -318,12 +359,11 @@ def test_cuda_tensors_arrive_as_cpu_tensors(server: thing.Server) -> None:
             assert_same(server.get(name + "-cuda"), sent, name)  # checks device == cpu
 
 
-def test_jax_cpu_arrays(server: thing.Server, backend: str) -> None:
+@pytest.mark.parametrize(("backend", "transport"), COVERING, indirect=True)
+def test_jax_cpu_arrays(server: thing.Server, backend: str, transport: str) -> None:
     jax = pytest.importorskip("jax")
-    out = run_script(_catch_all_script("jax_cases(jax)", "import jax"), server.port)
-    cases = jax_cases(jax)
-    assert int(out) == len(cases)
-    _check_received(server, cases)
+    assert _catch_all(server, "jax_cases(jax)", "import jax") == transport
+    _check_received(server, jax_cases(jax), transport)
 
 
 def test_jax_64_bit_data_is_never_narrowed(server: thing.Server) -> None:
@@ -347,24 +387,63 @@ def test_jax_64_bit_data_is_never_narrowed(server: thing.Server) -> None:
 
 
 def test_256_mib_array(server: thing.Server) -> None:
+    """On the cheapest path only (shared memory, the default on this host): one memcpy."""
     count = 64 << 20  # float32s: 256 MiB; every value a distinct bit pattern
     run_script(
         f"""
         import numpy as np, thing
         array = np.arange({count}, dtype=np.uint32).view(np.float32)
         assert thing.catch(array, name="big").wait(120)
+        assert thing._default_client._channels[None].transport == "shm"
         """,
         server.port,
         timeout=180,
+        THING_TRANSPORT="shm",
     )
     received = server.get("big")
     assert received.dtype == np.float32 and received.shape == (count,)
     assert np.array_equal(received.view(np.uint32), np.arange(count, dtype=np.uint32))
     assert server.capture("big").nbytes == 256 << 20
+    assert_path(server.capture("big"), "shm")
 
 
+def test_arrays_above_and_below_the_shared_memory_threshold(
+    server: thing.Server, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the default threshold (1 MiB) only the large array goes through a memfd."""
+    monkeypatch.delenv("THING_SHM_THRESHOLD", raising=False)
+    # Sent without their first int32: the large payload is exactly the threshold, the small
+    # one 4 bytes short; reversed rows, so neither is contiguous on the sending side.
+    large, small = (1 << 20) + 4, (1 << 20) - 4
+    run_script(
+        f"""
+        import numpy as np, thing
+        from thing import config
+        assert config.shm_threshold() == 1 << 20
+        for name, size, seed in (("large", {large}, 1), ("small", {small}, 2)):
+            data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+            assert thing.catch(data.view(np.int32)[1:].reshape(-1, 2)[::-1], name=name).wait(30)
+        """,
+        server.port,
+    )
+    for name, size, seed in (("large", large, 1), ("small", small, 2)):
+        data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+        sent = data.view(np.int32)[1:].reshape(-1, 2)[::-1]
+        received = server.get(name)
+        assert_same(received, sent, name)
+        mapped = in_shared_memory(received)
+        assert mapped == [transport == "shm" and name == "large"], name
+        address = server.capture(name).sender.address
+        assert (address == "local") == (transport != "tcp"), address
+    if transport == "shm":  # a private copy-on-write mapping: the REPL may scribble on it
+        received = server.get("large")
+        received[0, 0] ^= -1
+        assert server.get("large")[0, 0] == received[0, 0]
+
+
+@pytest.mark.parametrize(("backend", "transport"), COVERING, indirect=True)
 def test_eight_processes_send_concurrently_and_nothing_is_lost(
-    server: thing.Server, backend: str
+    server: thing.Server, backend: str, transport: str
 ) -> None:
     ranks, per_rank = 8, 25
     code = f"""
@@ -393,6 +472,8 @@ def test_eight_processes_send_concurrently_and_nothing_is_lost(
             assert np.array_equal(value.view(np.uint8), rng.integers(0, 256, size, np.uint8))
     senders_seen = {capture.sender.pid for capture in server.store.latest()}
     assert len(senders_seen) == ranks
+    for capture in server.store.recent(len(server.store)):
+        assert_path(capture, transport)
 
 
 # -- server in a subprocess, client here ------------------------------------------------
@@ -414,8 +495,10 @@ deadline = time.monotonic() + 60
 while len(server.store) < expected and time.monotonic() < deadline:
     time.sleep(0.01)
 report = {{capture.name: digest(capture.value) for capture in server.store.latest()}}
+paths = {{c.name: [c.sender.address, in_shared_memory(c.value)] for c in server.store.latest()}}
 modules = sorted(m for m in ("torch", "jax", "ml_dtypes") if sys.modules.get(m) is not None)
-print(json.dumps({{"captures": report, "log": seen, "modules": modules}}), flush=True)
+report = {{"captures": report, "paths": paths, "log": seen, "modules": modules}}
+print(json.dumps(report), flush=True)
 server.close()
 """
 
@@ -434,7 +517,9 @@ def _serve_in_subprocess(prelude: str = "") -> tuple[subprocess.Popen, int]:
     return process, int(line)
 
 
-def _send_from_here(cases: dict[str, Any], prelude: str = "") -> dict[str, Any]:
+def _send_from_here(
+    cases: dict[str, Any], prelude: str = "", transport: str | None = None
+) -> dict[str, Any]:
     """Start a server subprocess, send ``cases`` from this process, return its report."""
     process, port = _serve_in_subprocess(prelude)
     try:
@@ -442,6 +527,8 @@ def _send_from_here(cases: dict[str, Any], prelude: str = "") -> dict[str, Any]:
         handles = {name: client.catch(value, name=name) for name, value in cases.items()}
         failed = {name: h.error for name, h in handles.items() if not h.wait(60)}
         assert not failed, failed
+        if transport is not None:
+            assert client._channels[None].transport == transport
         client.close()
         out, err = process.communicate(f"{len(cases)}\n", timeout=90)
     finally:
@@ -452,10 +539,14 @@ def _send_from_here(cases: dict[str, Any], prelude: str = "") -> dict[str, Any]:
     return json.loads(out)
 
 
-def test_client_here_server_in_a_subprocess(backend: str) -> None:
+@pytest.mark.parametrize(("backend", "transport"), COVERING, indirect=True)
+def test_client_here_server_in_a_subprocess(backend: str, transport: str) -> None:
     cases = {**numpy_cases(), **torch_cases(torch)}
-    report = _send_from_here(cases, "import torch")
+    report = _send_from_here(cases, "import torch", transport)
     assert set(report["captures"]) == set(cases)
+    for name, (address, mapped) in report["paths"].items():
+        assert (address == "local") == (transport != "tcp"), (name, address)
+        assert mapped == [transport == "shm"] * len(mapped), (name, mapped)
     for name, sent in cases.items():
         expected = digest(sent)
         if isinstance(sent, np.ndarray):  # arrives in native byte order, C-contiguous

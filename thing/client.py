@@ -285,7 +285,7 @@ class _Channel:
         self.address = address
         self._lock = client._lock
         self._queue: deque[_Pending] = deque()
-        self._inflight: dict[int, tuple[_Pending, int]] = {}
+        self._inflight: dict[int, _Pending] = {}  # sent, awaiting the server's ack
         self._seq = itertools.count()
         self._sock: socket.socket | None = None
         self._lost = False  # the reader saw the connection end; the sender must reconnect
@@ -433,7 +433,7 @@ class _Channel:
                     raise ConnectionResetError("the server closed the connection")
                 pending = self._queue.popleft()
                 seq = next(self._seq)
-                self._inflight[seq] = (pending, pending.payload.nbytes)
+                self._inflight[seq] = pending
             self._send(sock, seq, pending)
 
     def _send(self, sock: socket.socket, seq: int, pending: _Pending) -> None:
@@ -500,15 +500,15 @@ class _Channel:
 
     def _finish(self, seq: int, capture_id: int | None, error: str | None) -> None:
         with self._lock:
-            entry = self._inflight.pop(seq, None)
-            if entry is None:
+            pending = self._inflight.pop(seq, None)
+            if pending is None:
                 return
-            self.client._release(entry[1])
+            self.client._release(pending.payload.nbytes)
             if capture_id is not None:
                 self.client.sent += 1
-        entry[0].handle._resolve(capture_id, error)
+        pending.handle._resolve(capture_id, error)
         if error is not None and capture_id is None:
-            log.debug("capture %r not stored: %s", entry[0].name, error)
+            log.debug("capture %r not stored: %s", pending.name, error)
 
     def _fail_inflight(self, reason: str) -> None:
         with self._lock:
