@@ -203,11 +203,10 @@ def digest(value: Any) -> Any:
 def in_shared_memory(value: Any) -> list[bool]:
     """For each numpy array / torch tensor with bytes in ``value``: does a memfd mapping back it?
 
-    A numpy array must reach an ``mmap.mmap`` through its ``.base`` chain, and
-    every array's data must lie in a ``memfd:thing`` mapping of this process
-    (large arrays received from the stream are mmap-backed too, but anonymous).
+    Judged by where the data lies: in a ``memfd:thing`` mapping of this process.
+    (Whether a numpy ``.base`` chain reaches an ``mmap.mmap`` says less: large
+    arrays received from the stream live in anonymous mappings too.)
     """
-    import mmap
     import sys
 
     import numpy as np
@@ -218,11 +217,6 @@ def in_shared_memory(value: Any) -> list[bool]:
     if isinstance(value, dict):
         return [flag for item in value.values() for flag in in_shared_memory(item)]
     if isinstance(value, np.ndarray) and value.nbytes:
-        base = value
-        while base is not None and not isinstance(base, mmap.mmap):
-            base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
-        if base is None:
-            return [False]
         address = value.__array_interface__["data"][0]
     elif torch is not None and isinstance(value, torch.Tensor) and value.nbytes:
         address = value.data_ptr()

@@ -290,6 +290,7 @@ class _Channel:
         self._sock: socket.socket | None = None
         self._lost = False  # the reader saw the connection end; the sender must reconnect
         self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
+        self._unix_refused = False  # the Unix socket turned us away: go by TCP
         self._closed = False
         # Until the first attempt to connect has failed, captures wait for it.
         self.down = False
@@ -329,7 +330,9 @@ class _Channel:
         while not self._closed:
             try:
                 sock = self._connect()
-            except (OSError, ProtocolError) as exc:
+            except Exception as exc:  # the sender thread must outlive any failure to connect
+                if not isinstance(exc, (OSError, ProtocolError)):
+                    log.exception("unexpected error connecting to %s:%d", *self.address)
                 self._set_down(exc)
                 time.sleep(delay)
                 delay = min(delay * 2, config.reconnect_interval())
@@ -356,47 +359,43 @@ class _Channel:
                 with self._lock:
                     self._sock = None
 
-    def _open(self) -> tuple[socket.socket, str]:
+    def _open(self, same_host: bool) -> tuple[socket.socket, str]:
         """Connect by the fastest path available: shared memory, Unix socket, else TCP."""
         host, port = self.address
         wanted = config.transport()
-        if wanted != "tcp" and is_this_host(host):
+        if same_host and wanted != "tcp" and is_this_host(host):
             path = unix_socket_path(port)
-            if path is not None and path.exists():
-                try:
+            try:
+                if path is not None and path.exists():
                     sock = connect_unix(path, config.connect_timeout())
-                except OSError as exc:
-                    log.debug("Unix socket %s unusable (%s); trying TCP", path, exc)
-                else:
                     return sock, "shm" if wanted in ("auto", "shm") and shm.AVAILABLE else "unix"
+            except OSError as exc:
+                log.debug("Unix socket %s unusable (%s); trying TCP", path, exc)
         return connect(host, port, config.connect_timeout()), "tcp"
 
     def _connect(self) -> socket.socket:
-        host, port = self.address
-        sock, transport = self._open()
+        sock, transport = self._open(same_host=not self._unix_refused)
         try:
-            send_buffers(sock, [wire.encode_handshake(_identity())])
-            status, info = wire.recv_handshake(sock)
-            token = None
-            if status == wire.HANDSHAKE_CHALLENGE:
-                # Without a token, answer anyway, so the server can say why it refuses us.
-                token = auth.client_token(port, self.client.token)
-                nonce = str(info.get("nonce", ""))
-                answer = {"proof": auth.proof(token, nonce) if token else ""}
-                send_buffers(sock, [wire.encode_handshake(answer)])
-                status, info = wire.recv_handshake(sock)
-            if status != wire.HANDSHAKE_OK:
-                if token is None and "token" in str(info.get("error", "")):
-                    raise HandshakeError(
-                        f"the server at {host}:{port} requires a token: set THING_TOKEN "
-                        "to the value the server printed"
-                    )
-                raise HandshakeError(f"server refused the connection: {info.get('error', '?')}")
-            set_timeouts(sock, config.send_timeout(), None)
+            self._handshake(sock)
+        except (OSError, ProtocolError) as exc:
+            sock.close()
+            if transport == "tcp":
+                raise
+            # The Unix socket is there but would not have us (another user's server
+            # behind a shared path, say): TCP may still, and from now on is tried first.
+            log.info("the Unix socket refused us (%s); using TCP", exc)
+            self._unix_refused = True
+            sock, transport = self._open(same_host=False)
+            try:
+                self._handshake(sock)
+            except BaseException:
+                sock.close()
+                raise
         except BaseException:
             sock.close()
             raise
         if transport != self.transport:
+            host, port = self.address
             log.info(
                 "sending to the thing server at %s:%d over %s",
                 host,
@@ -405,6 +404,27 @@ class _Channel:
             )
         self.transport = transport
         return sock
+
+    def _handshake(self, sock: socket.socket) -> None:
+        host, port = self.address
+        send_buffers(sock, [wire.encode_handshake(_identity())])
+        status, info = wire.recv_handshake(sock)
+        token = None
+        if status == wire.HANDSHAKE_CHALLENGE:
+            # Without a token, answer anyway, so the server can say why it refuses us.
+            token = auth.client_token(port, self.client.token)
+            nonce = str(info.get("nonce", ""))
+            answer = {"proof": auth.proof(token, nonce) if token else ""}
+            send_buffers(sock, [wire.encode_handshake(answer)])
+            status, info = wire.recv_handshake(sock)
+        if status != wire.HANDSHAKE_OK:
+            if token is None and "token" in str(info.get("error", "")):
+                raise HandshakeError(
+                    f"the server at {host}:{port} requires a token: set THING_TOKEN "
+                    "to the value the server printed"
+                )
+            raise HandshakeError(f"server refused the connection: {info.get('error', '?')}")
+        set_timeouts(sock, config.send_timeout(), None)
 
     def _set_down(self, reason: Exception) -> None:
         with self._lock:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ._core import copy_into
+from ._core import PrivateMapping, copy_into
 from .arrays import CARRIER_DTYPES, LeafSpec
 from .errors import ProtocolError
 
@@ -81,9 +81,7 @@ def adopt(fd: int, specs: Sequence[LeafSpec]) -> list[np.ndarray]:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         if seals & _SEALS != _SEALS:
             raise ProtocolError("shared memory is not sealed against changes")
-        mapping = mmap.mmap(
-            fd, total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        )
+        mapping = PrivateMapping(fd, total)
     finally:
         os.close(fd)
     return [

@@ -10,18 +10,18 @@ import logging
 import os
 
 if os.environ.get("THING_PUREPYTHON", "") not in ("", "0"):
-    from .fallback import copy_into, recv_buffers, send_buffers
+    from .fallback import PrivateMapping, copy_into, recv_buffers, send_buffers
 
     BACKEND = "python"
 else:
     try:
-        from ._transport import copy_into, recv_buffers, send_buffers
+        from ._transport import PrivateMapping, copy_into, recv_buffers, send_buffers
 
         BACKEND = "compiled"
     except ImportError as exc:  # pragma: no cover - depends on the build
-        from .fallback import copy_into, recv_buffers, send_buffers
+        from .fallback import PrivateMapping, copy_into, recv_buffers, send_buffers
 
         BACKEND = "python"
         logging.getLogger("thing").info("compiled core unavailable (%s); using pure Python", exc)
 
-__all__ = ["BACKEND", "copy_into", "recv_buffers", "send_buffers"]
+__all__ = ["BACKEND", "PrivateMapping", "copy_into", "recv_buffers", "send_buffers"]

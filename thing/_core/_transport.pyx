@@ -13,6 +13,7 @@ The socket must be in blocking mode; timeouts come from ``SO_SNDTIMEO`` /
 from cpython.buffer cimport (
     PyBUF_C_CONTIGUOUS,
     PyBUF_WRITABLE,
+    PyBuffer_FillInfo,
     PyBuffer_Release,
     PyObject_GetBuffer,
 )
@@ -168,3 +169,49 @@ def copy_into(destination, source) -> int:
             PyBuffer_Release(&src)
     finally:
         PyBuffer_Release(&dst)
+
+
+cdef extern from "<sys/mman.h>":
+    void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset) nogil
+    int munmap(void *addr, size_t length) nogil
+    int PROT_READ
+    int PROT_WRITE
+    int MAP_PRIVATE
+    void *MAP_FAILED
+
+
+cdef class PrivateMapping:
+    """A copy-on-write mapping of a file descriptor, exposed as a writable buffer.
+
+    Unlike ``mmap.mmap`` it keeps no duplicate of the descriptor: a server
+    holding thousands of shared-memory captures holds no descriptors for them.
+    The mapping is removed when the last array viewing it is gone.
+    """
+
+    cdef void *address
+    cdef Py_ssize_t size
+    cdef Py_ssize_t exports
+
+    def __cinit__(self, int fd, Py_ssize_t size):
+        self.address = NULL
+        if size <= 0:
+            raise ValueError("a mapping needs at least one byte")
+        self.address = mmap(NULL, <size_t>size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0)
+        if self.address == MAP_FAILED:
+            self.address = NULL
+            raise OSError(errno, strerror(errno).decode("utf-8", "replace"))
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def __getbuffer__(self, Py_buffer *buffer, int flags):
+        PyBuffer_FillInfo(buffer, self, self.address, self.size, 0, flags)
+        self.exports += 1
+
+    def __releasebuffer__(self, Py_buffer *buffer):
+        self.exports -= 1
+
+    def __dealloc__(self):
+        if self.address != NULL:
+            munmap(self.address, <size_t>self.size)

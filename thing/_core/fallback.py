@@ -8,7 +8,9 @@ benchmarks compare against, and the fallback when the extension is missing or
 from __future__ import annotations
 
 import errno
+import mmap
 import socket
+import sys
 from collections.abc import Sequence
 
 # Linux and macOS both cap one sendmsg/recvmsg at 1024 buffers.
@@ -72,3 +74,10 @@ def copy_into(destination: object, source: object) -> int:
         raise ValueError(f"cannot copy {src.nbytes} bytes into {dst.nbytes}")
     dst[: src.nbytes] = src
     return src.nbytes
+
+
+def PrivateMapping(fd: int, size: int) -> mmap.mmap:  # noqa: N802 - the compiled one is a class
+    """A copy-on-write mapping of ``fd``, as a writable buffer (Python < 3.13 keeps a dup of fd)."""
+    extra = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+    return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                     **extra)

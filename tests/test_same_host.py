@@ -1,0 +1,780 @@
+"""The same-host fast path: the Unix socket, the shared-memory hand-off, and their fallbacks.
+
+Every server here puts its Unix socket under a private ``XDG_RUNTIME_DIR``
+made for the test (client subprocesses inherit it), so tests that loosen
+permissions or leave stale sockets never touch the directory other tests use.
+Descriptor and mapping counts are of this process, where the servers run:
+``/proc/self/fd`` and the ``memfd:thing`` lines of ``/proc/self/maps``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import gc
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import thing
+from thing import shm, wire
+from thing.sockets import connect, connect_unix, is_this_host, unix_socket_path
+from thing.store import HistoryStore
+
+from .conftest import run_script, script_env, start_script
+
+NOBODY = 65534
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def poll(condition: Callable[[], Any], timeout: float = 15, what: str = "condition") -> Any:
+    """Wait until ``condition()`` is truthy and return it; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def open_fds() -> int:
+    """Descriptors this process holds."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def memfd_mappings() -> int:
+    """Mappings of this process backed by a memfd named ``thing`` (one per adopted capture)."""
+    with open("/proc/self/maps") as maps:
+        return sum("/memfd:thing " in line for line in maps)
+
+
+def in_memfd(array: Any) -> bool:
+    """True if the array's data lies in a ``memfd:thing`` mapping of this process."""
+    address = array.__array_interface__["data"][0]
+    with open("/proc/self/maps") as maps:
+        spans = [line.split()[0].split("-") for line in maps if "/memfd:thing " in line]
+    return any(int(start, 16) <= address < int(end, 16) for start, end in spans)
+
+
+def settle(baseline_fds: int, baseline_mappings: int, held: int = 0) -> None:
+    """Wait until the memfd mappings are those of the ``held`` captures, the descriptors too.
+
+    Each kept shared-memory capture is one mapping. It should cost no
+    descriptor, but today costs one (see the xfail test on that), so up to
+    ``held`` descriptors above the baseline are what the kept captures explain.
+    """
+    def settled() -> bool:
+        gc.collect()
+        fds, mappings = open_fds(), memfd_mappings()
+        return baseline_fds <= fds <= baseline_fds + held and mappings == baseline_mappings + held
+
+    try:
+        poll(settled, 10, "descriptors and mappings to settle")
+    except AssertionError:
+        raise AssertionError(
+            f"{open_fds()} descriptors (baseline {baseline_fds}, {held} captures kept), "
+            f"{memfd_mappings()} memfd mappings (baseline {baseline_mappings})"
+        ) from None
+
+
+@pytest.fixture(autouse=True)
+def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private ``XDG_RUNTIME_DIR`` (mode 0711, so another user may pass through but not list)."""
+    path = Path(tempfile.mkdtemp(prefix="thing-test-runtime-"))
+    path.chmod(0o711)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def server() -> Iterator[thing.Server]:
+    with thing.Server(port=0) as running:
+        assert running.unix_path is not None
+        yield running
+
+
+def client_log(stderr: str) -> list[str]:
+    """The lines in which a client says which path it uses."""
+    return [line for line in stderr.splitlines() if "sending to the thing server" in line]
+
+
+# One line, so it can stand anywhere in an indented script.
+LOGGING = "import logging; logging.basicConfig(level='INFO', format='%(levelname)s %(message)s')"
+
+# -- a client forced to each path ------------------------------------------------------------
+
+PATH_WORDS = {  # what the client's one log line says for each path
+    "tcp": "over TCP",
+    "unix": "over a Unix socket",
+    "shm": "over a Unix socket, with shared memory for large arrays",
+}
+
+
+@pytest.mark.parametrize("forced", ["tcp", "unix", "shm", "auto"])
+def test_client_forced_to_a_path_uses_it_and_says_so_once(
+    server: thing.Server, forced: str
+) -> None:
+    result = run_script(
+        f"""
+        {LOGGING}
+        import numpy as np, thing
+        big = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: above the default threshold
+        for i in range(3):
+            assert thing.catch(big + i, name="big").wait(30)
+            assert thing.catch(np.arange(10) + i, name="small").wait(30)
+        print(thing._default_client._channels[None].transport)
+        """,
+        server.port,
+        full=True,
+        THING_TRANSPORT=forced,
+    )
+    used = "shm" if forced == "auto" else forced  # auto takes the fastest path on this host
+    assert result.stdout.split() == [used]
+    lines = client_log(result.stderr)
+    assert len(lines) == 1, result.stderr
+    where = f"127.0.0.1:{server.port}"
+    assert lines[0] == f"INFO sending to the thing server at {where} {PATH_WORDS[used]}"
+    for index in range(3):
+        big, small = server.capture("big", index), server.capture("small", index)
+        assert np.array_equal(big.value, np.arange(1 << 19, dtype=np.float32) + 2 - index)
+        for capture in (big, small):
+            if used == "tcp":
+                assert capture.sender.address.startswith("127.0.0.1:")
+            else:
+                assert capture.sender.address == "local"
+        assert in_memfd(big.value) == (used == "shm")
+        assert not in_memfd(small.value)  # below the threshold: inline, even on the shm path
+
+
+# -- the socket file -------------------------------------------------------------------------
+
+
+def test_unix_socket_lives_in_a_private_directory_and_goes_with_the_server(
+    runtime_dir: Path,
+) -> None:
+    server = thing.Server(port=0).start()
+    try:
+        path = server.unix_path
+        assert path == runtime_dir / "thing" / f"{server.port}.sock"
+        assert path == unix_socket_path(server.port)
+        directory = path.parent.lstat()
+        assert stat.S_ISDIR(directory.st_mode) and directory.st_uid == os.getuid()
+        assert stat.S_IMODE(directory.st_mode) == 0o700
+        socket_file = path.lstat()
+        assert stat.S_ISSOCK(socket_file.st_mode) and socket_file.st_uid == os.getuid()
+        assert stat.S_IMODE(socket_file.st_mode) == 0o600
+    finally:
+        server.close()
+    assert not path.exists() and server.unix_path is None
+
+
+def test_without_a_runtime_directory_the_socket_goes_in_a_private_temp_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = unix_socket_path(4242)
+    assert path == tmp_path / f"thing-{os.getuid()}" / "4242.sock"
+    assert stat.S_IMODE(path.parent.lstat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("flaw", ["group-writable", "a-symlink", "a-file", "another-owner"])
+def test_no_unix_socket_in_a_directory_others_could_reach(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flaw: str
+) -> None:
+    """Where the directory is not private, the server listens on TCP only, and says nothing."""
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # for the client subprocess
+    directory = tmp_path / f"thing-{os.getuid()}"
+    if flaw == "group-writable":
+        directory.mkdir(mode=0o700)
+        directory.chmod(0o770)
+    elif flaw == "a-symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        directory.symlink_to(tmp_path / "elsewhere")
+    elif flaw == "a-file":
+        directory.write_text("")
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give a directory away")
+        directory.mkdir(mode=0o700)
+        os.chown(directory, NOBODY, NOBODY)
+    assert unix_socket_path(4242) is None
+    with thing.Server(port=0) as server:
+        assert server.unix_path is None
+        run_script("import thing; assert thing.catch(1, name='one').wait(30)", server.port)
+        assert server.capture("one").sender.address.startswith("127.0.0.1:")
+
+
+def test_stale_socket_of_a_killed_server_is_replaced(runtime_dir: Path) -> None:
+    process = start_script(
+        """
+        import time, thing
+        server = thing.Server(port=0).start()
+        print(server.port, server.unix_path, flush=True)
+        time.sleep(60)
+        """
+    )
+    try:
+        assert process.stdout is not None
+        port_text, path_text = process.stdout.readline().split()
+    finally:
+        process.kill()
+        process.communicate(timeout=10)
+    port, path = int(port_text), Path(path_text)
+    assert path == runtime_dir / "thing" / f"{port}.sock"
+    assert path.is_socket()  # left behind: SIGKILL gave the server no chance to remove it
+    with pytest.raises(ConnectionRefusedError):
+        connect_unix(path, 5)
+    with thing.Server(port=port) as server:
+        assert server.unix_path == path
+        out = run_script(
+            """
+            import thing
+            assert thing.catch(7, name="after").wait(30)
+            print(thing._default_client._channels[None].transport)
+            """,
+            port,
+            THING_TRANSPORT="unix",
+        )
+        assert out.split() == ["unix"]
+        assert server.get("after") == 7 and server.capture("after").sender.address == "local"
+
+
+# -- a peer of another user --------------------------------------------------------------------
+
+AS_NOBODY = f"""
+import encodings.idna, json, os, sys, numpy as np, thing, thing.client, thing.sockets
+from pathlib import Path
+# Imports first (the interpreter lives where nobody may read), then become nobody for good.
+os.setgroups([])
+os.setresgid({NOBODY}, {NOBODY}, {NOBODY})
+os.setresuid({NOBODY}, {NOBODY}, {NOBODY})
+assert os.getresuid() == ({NOBODY},) * 3
+"""
+
+
+def run_as_nobody(code: str, port: int, **env: str) -> dict[str, Any]:
+    """Run ``code`` as user nobody against the server on ``port``; return what it printed (JSON)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another user")
+    result = subprocess.run(
+        [sys.executable, "-c", AS_NOBODY + textwrap.dedent(code)],
+        env=script_env(port, PYTHONDONTWRITEBYTECODE="1", **env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_another_user_cannot_reach_the_socket_and_uses_tcp(server: thing.Server) -> None:
+    """The client looks for sockets in its own user's directory: none there, so TCP.
+
+    Nor could it use the server's: the 0700 directory denies it even a connect().
+    """
+    report = run_as_nobody(
+        f"""
+        assert thing.catch(np.arange(5), name="plain").wait(30)
+        try:
+            thing.sockets.connect_unix(Path({str(server.unix_path)!r}), 5)
+            denied = False
+        except PermissionError:
+            denied = True
+        print(json.dumps({{"transport": thing._default_client._channels[None].transport,
+                          "denied": denied, "pid": os.getpid()}}))
+        """,
+        server.port,
+    )
+    assert report == {"transport": "tcp", "denied": True, "pid": report["pid"]}
+    capture = server.capture("plain")
+    assert np.array_equal(capture.value, np.arange(5))
+    assert capture.sender.address.startswith("127.0.0.1:")
+    assert capture.sender.pid == report["pid"]
+
+
+def test_another_user_pointed_at_the_socket_falls_back_to_tcp(server: thing.Server) -> None:
+    report = run_as_nobody(
+        f"""
+        thing.client.unix_socket_path = lambda port: Path({str(server.unix_path)!r})
+        handle = thing.catch(np.arange(6), name="pointed")
+        print(json.dumps({{"stored": handle.wait(10), "error": handle.error,
+                          "transport": thing._default_client._channels[None].transport}}))
+        """,
+        server.port,
+    )
+    assert report == {"stored": True, "error": None, "transport": "tcp"}
+    assert server.capture("pointed").sender.address.startswith("127.0.0.1:")
+
+
+NOBODY_THROUGH_AN_OPENED_DOOR = """
+thing.client.unix_socket_path = lambda port: Path({path!r})
+client = thing.Client("127.0.0.1", {port})
+handle = client.catch(np.arange(7), name="intruder")
+stored = handle.wait(10)
+print(json.dumps({{"stored": stored, "error": handle.error,
+                  "transport": client._channels[None].transport}}))
+"""
+
+
+@pytest.fixture
+def opened_door(server: thing.Server, runtime_dir: Path) -> Iterator[thing.Server]:
+    """Loosen the socket's directory (0711) and file (0666) so another user can connect."""
+    assert server.unix_path is not None
+    server.unix_path.parent.chmod(0o711)
+    server.unix_path.chmod(0o666)
+    yield server
+    server.unix_path.parent.chmod(0o700)
+
+
+def test_another_users_peer_is_refused_by_its_credentials(
+    opened_door: thing.Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Even where it can connect, SO_PEERCRED tells the server who it is: refused.
+
+    Nothing comes in over the Unix socket; the client then goes by TCP (next test).
+    """
+    server = opened_door
+    with caplog.at_level(logging.DEBUG, logger="thing"):
+        report = run_as_nobody(
+            NOBODY_THROUGH_AN_OPENED_DOOR.format(path=str(server.unix_path), port=server.port),
+            server.port,
+        )
+        poll(lambda: any("uid 65534" in m for m in caplog.messages), what="the refusal logged")
+    refusals = [r for r in caplog.records if "uid 65534" in r.getMessage()]
+    assert refusals[0].levelno == logging.WARNING
+    assert "refused a Unix-socket peer of another user" in refusals[0].getMessage()
+    assert report["transport"] == "tcp"
+    assert all(c.sender.address != "local" for c in server.store.recent(len(server.store)))
+
+
+def test_another_users_peer_refused_on_the_unix_socket_falls_back_to_tcp(
+    opened_door: thing.Server,
+) -> None:
+    server = opened_door
+    report = run_as_nobody(
+        NOBODY_THROUGH_AN_OPENED_DOOR.format(path=str(server.unix_path), port=server.port),
+        server.port,
+    )
+    assert report["stored"] and report["transport"] == "tcp"
+    assert server.capture("intruder").sender.address.startswith("127.0.0.1:")
+
+
+# -- fallbacks, never failures ----------------------------------------------------------------
+
+
+def test_shared_memory_falls_back_to_the_stream_when_descriptors_run_out(
+    server: thing.Server,
+) -> None:
+    """With every descriptor in use memfd_create fails: the capture goes inline, not lost."""
+    result = run_script(
+        f"""
+        {LOGGING}
+        import errno, os, resource, numpy as np, thing
+        data = np.random.default_rng(5).integers(0, 1 << 30, 1 << 16, dtype=np.int64)
+        assert thing.catch(data, name="before").wait(30)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        fillers = []
+        try:
+            while True:
+                fillers.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError as exc:
+            assert exc.errno == errno.EMFILE
+        try:
+            os.memfd_create("probe")
+        except OSError as exc:
+            assert exc.errno == errno.EMFILE
+        else:
+            raise AssertionError("memfd_create still works")
+        assert thing.catch(data + 1, name="starved").wait(30)
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert thing.catch(data + 2, name="after").wait(30)
+        print(thing._default_client._channels[None].transport)
+        """,
+        server.port,
+        full=True,
+        THING_TRANSPORT="shm",
+        THING_SHM_THRESHOLD="1",
+    )
+    assert result.stdout.split() == ["shm"]
+    assert len(client_log(result.stderr)) == 1
+    warnings = [line for line in result.stderr.splitlines() if "shared memory unavailable" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("WARNING"), result.stderr
+    data = np.random.default_rng(5).integers(0, 1 << 30, 1 << 16, dtype=np.int64)
+    for offset, name in enumerate(("before", "starved", "after")):
+        capture = server.capture(name)
+        assert np.array_equal(capture.value, data + offset), name
+        assert capture.sender.address == "local"
+        assert in_memfd(capture.value) == (name != "starved"), name
+
+
+def test_without_memfd_the_client_uses_the_unix_socket(server: thing.Server) -> None:
+    """A platform without memfd_create (``shm.AVAILABLE`` false): auto picks the plain socket."""
+    result = run_script(
+        f"""
+        {LOGGING}
+        import numpy as np, thing, thing.shm
+        thing.shm.AVAILABLE = False
+        assert thing.catch(np.arange(1 << 20, dtype=np.float32), name="big").wait(30)
+        print(thing._default_client._channels[None].transport)
+        """,
+        server.port,
+        full=True,
+    )
+    assert result.stdout.split() == ["unix"]
+    assert client_log(result.stderr) == [
+        f"INFO sending to the thing server at 127.0.0.1:{server.port} over a Unix socket"
+    ]
+    capture = server.capture("big")
+    assert np.array_equal(capture.value, np.arange(1 << 20, dtype=np.float32))
+    assert capture.sender.address == "local" and not in_memfd(capture.value)
+
+
+@pytest.mark.parametrize(("socket_file", "forced"), [("missing", "unix"), ("dead", "auto")])
+def test_unix_socket_unusable_falls_back_to_tcp(
+    server: thing.Server, socket_file: str, forced: str
+) -> None:
+    assert server.unix_path is not None
+    server.unix_path.unlink()
+    if socket_file == "dead":  # a socket file nobody listens on: connecting is refused
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+            dead.bind(str(server.unix_path))
+        assert server.unix_path.is_socket()
+    result = run_script(
+        f"""
+        {LOGGING}
+        import numpy as np, thing
+        assert thing.catch(np.arange(1 << 20, dtype=np.float32), name="big").wait(30)
+        print(thing._default_client._channels[None].transport)
+        """,
+        server.port,
+        full=True,
+        THING_TRANSPORT=forced,
+    )
+    assert result.stdout.split() == ["tcp"]
+    assert client_log(result.stderr) == [
+        f"INFO sending to the thing server at 127.0.0.1:{server.port} over TCP"
+    ]
+    capture = server.capture("big")
+    assert np.array_equal(capture.value, np.arange(1 << 20, dtype=np.float32))
+    assert capture.sender.address.startswith("127.0.0.1:")
+
+
+def test_only_this_hosts_names_take_the_same_host_path() -> None:
+    """Another host cannot be tested literally; the decision is this pure function."""
+    for name in ("localhost", "127.0.0.1", "127.3.2.1", "::1", socket.gethostname()):
+        assert is_this_host(name), name
+    for name in ("192.0.2.1", "2001:db8::1", "198.51.100.7", "thing.invalid", "0.0.0.0"):
+        assert not is_this_host(name), name
+
+
+# -- descriptors the server is handed ---------------------------------------------------------
+
+ARRAY = np.arange(1000, dtype=np.float32)  # 4000 bytes: laid out in a 4032-byte memfd
+
+
+def sealed_memfd(data: bytes, size: int | None = None, seals: int | None = None) -> int:
+    """A memfd named like thing's holding ``data``, ``size`` bytes long, sealed with ``seals``."""
+    fd = os.memfd_create("thing", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, data)
+    os.ftruncate(fd, shm.layout([len(data)])[1] if size is None else size)
+    everything = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+    if seals is None or seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, everything if seals is None else seals)
+    return fd
+
+
+def frame_message(array: np.ndarray, kind: int, seq: int = 0) -> bytes:
+    """Prefix, header and trailer of a frame carrying ``array``; no payload."""
+    payload = wire.take_apart(array)
+    header = wire.encode_header(seq, "raw", payload, {})
+    return wire.encode_prefix(header, payload.nbytes, kind) + header + wire.encode_trailer(False)
+
+
+def raw_peer(server: thing.Server, tcp: bool = False) -> socket.socket:
+    """A connection that has done the handshake, speaking the wire format by hand."""
+    if tcp:
+        sock = connect("127.0.0.1", server.port, 5)
+    else:
+        assert server.unix_path is not None
+        sock = connect_unix(server.unix_path, 5)
+    sock.sendall(wire.encode_handshake({"hostname": "raw", "pid": os.getpid()}))
+    status, _ = wire.recv_handshake(sock)
+    assert status == wire.HANDSHAKE_OK
+    sock.settimeout(10)
+    return sock
+
+
+def read_ack(sock: socket.socket) -> tuple[int, int, str]:
+    """One acknowledgement: status, capture id, message."""
+    prefix = sock.recv(wire.ACK.size, socket.MSG_WAITALL)
+    status, length, _, capture_id = wire.decode_ack(prefix)
+    message = sock.recv(length, socket.MSG_WAITALL) if length else b""
+    return status, capture_id, message.decode()
+
+
+def assert_closed_by_server(sock: socket.socket) -> None:
+    try:
+        assert sock.recv(1) == b""
+    except ConnectionResetError:
+        pass
+
+
+def test_a_valid_hand_made_shared_memory_frame_is_stored(server: thing.Server) -> None:
+    """The control for the refusals below: the same peer, done right, is accepted."""
+    baseline_fds, baseline_maps = open_fds(), memfd_mappings()
+    with raw_peer(server) as sock:
+        fd = sealed_memfd(ARRAY.tobytes())
+        socket.send_fds(sock, [frame_message(ARRAY, wire.KIND_SHARED_MEMORY)], [fd])
+        os.close(fd)
+        status, capture_id, _ = read_ack(sock)
+        assert status == wire.ACK_STORED
+    received = server.get(capture_id)
+    assert np.array_equal(received, ARRAY) and in_memfd(received)
+    assert server.capture(capture_id).sender.address == "local"
+    settle(baseline_fds, baseline_maps, held=1)
+    del received
+    server.clear()
+    settle(baseline_fds, baseline_maps)
+    assert server.store.held_bytes == 0
+
+
+def _pipe_reader() -> list[int]:
+    reader, writer = os.pipe()
+    os.close(writer)
+    return [reader]
+
+
+BAD_DESCRIPTORS: dict[str, tuple[int, Callable[[], list[int]], str]] = {
+    # name: (frame kind, descriptors to send, what the server's log says)
+    "too-large": (wire.KIND_SHARED_MEMORY, lambda: [sealed_memfd(ARRAY.tobytes(), 1 << 20)],
+                  "does not match the header"),
+    "too-small": (wire.KIND_SHARED_MEMORY, lambda: [sealed_memfd(ARRAY.tobytes()[:64], 64)],
+                  "does not match the header"),
+    "unsealed": (wire.KIND_SHARED_MEMORY, lambda: [sealed_memfd(ARRAY.tobytes(), seals=0)],
+                 "not sealed"),
+    "writable": (wire.KIND_SHARED_MEMORY,
+                 lambda: [sealed_memfd(ARRAY.tobytes(), seals=fcntl.F_SEAL_SHRINK
+                                       | fcntl.F_SEAL_GROW)],
+                 "not sealed"),
+    "a-pipe": (wire.KIND_SHARED_MEMORY, _pipe_reader, "does not match the header"),
+    "two-memfds": (wire.KIND_SHARED_MEMORY,
+                   lambda: [sealed_memfd(ARRAY.tobytes()), sealed_memfd(ARRAY.tobytes())],
+                   "with 2 descriptors"),
+    "six-memfds": (wire.KIND_SHARED_MEMORY,
+                   lambda: [sealed_memfd(ARRAY.tobytes()) for _ in range(6)],
+                   "more descriptors than a frame carries"),
+    "no-memfd": (wire.KIND_SHARED_MEMORY, lambda: [], "with 0 descriptors"),
+    "memfd-with-an-inline-frame": (wire.KIND_CAPTURE, lambda: [sealed_memfd(ARRAY.tobytes())],
+                                   "with 1 descriptors"),
+}
+
+
+@pytest.mark.parametrize("case", [*BAD_DESCRIPTORS, "shared-memory-frame-over-tcp"])
+def test_bad_descriptors_are_refused_and_none_is_leaked(
+    server: thing.Server, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    tcp = case == "shared-memory-frame-over-tcp"
+    kind, make_fds, reason = BAD_DESCRIPTORS.get(
+        case, (wire.KIND_SHARED_MEMORY, lambda: [], "with 0 descriptors")
+    )
+    gc.collect()
+    baseline_fds, baseline_maps = open_fds(), memfd_mappings()
+    with caplog.at_level(logging.WARNING, logger="thing"), raw_peer(server, tcp) as sock:
+        fds = make_fds()
+        message = frame_message(ARRAY, kind)
+        if kind == wire.KIND_CAPTURE:
+            message = message[: -wire.FRAME_TRAILER.size] + ARRAY.tobytes() + message[
+                -wire.FRAME_TRAILER.size:]
+        if fds:
+            socket.send_fds(sock, [message], fds)
+        else:
+            sock.sendall(message)
+        for fd in fds:  # ours; the server's copies are its own to close
+            os.close(fd)
+        assert_closed_by_server(sock)
+        poll(lambda: any(reason in m for m in caplog.messages), what=f"a refusal: {reason!r}")
+    assert any(m.startswith("dropped ") and reason in m for m in caplog.messages), caplog.messages
+    assert len(server.store) == 0 and server.received == 0
+    poll(lambda: server.store.held_bytes == 0 and not server.clients(), what="the peer gone")
+    settle(baseline_fds, baseline_maps)
+
+
+def test_shared_memory_frame_over_the_store_cap_is_rejected_and_the_stream_stays_in_step() -> None:
+    with thing.Server(port=0, store=HistoryStore(max_bytes=64 << 10)) as server:
+        gc.collect()
+        baseline_fds, baseline_maps = open_fds(), memfd_mappings()
+        big = np.arange(1 << 16, dtype=np.float32)  # 256 KiB: more than the whole store
+        with raw_peer(server) as sock:
+            for seq, array in enumerate((big, ARRAY)):
+                fd = sealed_memfd(array.tobytes())
+                socket.send_fds(sock, [frame_message(array, wire.KIND_SHARED_MEMORY, seq)], [fd])
+                os.close(fd)
+            status, _, message = read_ack(sock)
+            assert status == wire.ACK_REJECTED and "larger than the store" in message
+            status, capture_id, _ = read_ack(sock)
+            assert status == wire.ACK_STORED
+        assert len(server.store) == 1 and np.array_equal(server.get(capture_id), ARRAY)
+        settle(baseline_fds, baseline_maps, held=1)
+        server.clear()
+        settle(baseline_fds, baseline_maps)
+        assert server.store.held_bytes == 0
+
+
+# -- nothing leaked --------------------------------------------------------------------------
+
+
+def test_no_descriptor_or_mapping_leaked_after_1000_shared_memory_captures() -> None:
+    count, floats = 1000, 16 << 10  # 64 KiB each; the store keeps about 30 of them
+    with thing.Server(port=0, store=HistoryStore(max_bytes=2 << 20)) as server:
+        gc.collect()
+        baseline_fds, baseline_maps = open_fds(), memfd_mappings()
+        out = run_script(
+            f"""
+            import numpy as np, thing
+            handles = [thing.catch(np.full({floats}, i, np.float32), name="many")
+                       for i in range({count})]
+            assert all(handle.wait(60) for handle in handles), [h.error for h in handles]
+            print(thing._default_client._channels[None].transport)
+            """,
+            server.port,
+            THING_TRANSPORT="shm",
+            THING_SHM_THRESHOLD="1",
+        )
+        assert out.split() == ["shm"]
+        assert server.received == count
+        held = server.store.versions("many")
+        assert 10 < held < 40 and server.store.evicted == count - held
+        kept = server.get_all("many")
+        for i, value in zip(range(count - held, count), kept):  # the newest, whole
+            assert in_memfd(value) and np.array_equal(value, np.full(floats, i, np.float32))
+        del kept, value
+        poll(lambda: not server.clients(), what="the client to disconnect")
+        settle(baseline_fds, baseline_maps, held)
+        server.clear()
+        settle(baseline_fds, baseline_maps)
+        assert server.store.held_bytes == 0
+
+
+def test_no_descriptor_or_mapping_leaked_after_a_client_killed_mid_hand_off() -> None:
+    floats = 2 << 20  # 8 MiB captures, each one value throughout
+    with thing.Server(port=0, store=HistoryStore(max_versions=4)) as server:
+        gc.collect()
+        baseline_fds, baseline_maps = open_fds(), memfd_mappings()
+        shm_names = {name for name in os.listdir("/dev/shm") if "thing" in name}
+        process = start_script(
+            f"""
+            import numpy as np, thing
+            i = 0
+            while True:
+                thing.catch(np.full({floats}, i, np.uint32), name="big", block=True)
+                i += 1
+            """,
+            server.port,
+            THING_TRANSPORT="shm",
+            THING_QUEUE_BYTES=str(48 << 20),
+        )
+        try:
+            poll(lambda: server.received >= 6, 30, "captures to arrive")
+        finally:
+            process.send_signal(signal.SIGKILL)
+            process.communicate(timeout=10)
+        poll(lambda: not server.clients(), what="the server to notice the dead client")
+        gc.collect()
+        kept = server.get_all("big")
+        assert 1 <= len(kept) <= 4
+        for value in kept:  # nothing partial: each one value throughout, in a memfd
+            assert value.shape == (floats,) and in_memfd(value)
+            assert np.array_equal(value, np.full(floats, value[0], np.uint32))
+        del kept, value
+        settle(baseline_fds, baseline_maps, server.store.versions("big"))
+        server.clear()
+        settle(baseline_fds, baseline_maps)
+        assert server.store.held_bytes == 0
+        assert {name for name in os.listdir("/dev/shm") if "thing" in name} == shm_names
+
+
+HELD_FD_REASON = (
+    "thing/shm.py adopt(): mmap.mmap() dup()s the descriptor it maps (CPython keeps it for "
+    "size()/resize(); trackfd=False only exists from 3.13), so every kept shared-memory "
+    "capture holds one server descriptor"
+)
+
+
+def test_a_kept_shared_memory_capture_holds_no_descriptor(server: thing.Server) -> None:
+    gc.collect()
+    baseline_fds, baseline_maps = open_fds(), memfd_mappings()
+    run_script(
+        """
+        import numpy as np, thing
+        handles = [thing.catch(np.full(1024, i), name="kept") for i in range(20)]
+        assert all(handle.wait(30) for handle in handles)
+        """,
+        server.port,
+        THING_TRANSPORT="shm",
+        THING_SHM_THRESHOLD="1",
+    )
+    assert server.store.versions("kept") == 20
+    assert memfd_mappings() == baseline_maps + 20
+    poll(lambda: not server.clients(), what="the client to disconnect")
+    poll(lambda: open_fds() == baseline_fds, 3, f"{open_fds()} descriptors to be {baseline_fds}")
+
+
+def test_a_server_keeps_more_shared_memory_captures_than_it_has_descriptors() -> None:
+    """The descriptor limit (64 here; 1024 is a common default) must not cap the history."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import resource, sys, thing
+            _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+            server = thing.Server(port=0).start()
+            print(server.port, flush=True)
+            sys.stdin.readline()
+            print(len(server.store), flush=True)
+            server.close()
+        """)],
+        env=script_env(), text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        port = int(process.stdout.readline())
+        out = run_script(
+            """
+            import numpy as np, thing
+            handles = [thing.catch(np.full(1024, i), name="many") for i in range(100)]
+            print(sum(handle.wait(30) for handle in handles))
+            """,
+            port,
+            THING_TRANSPORT="shm",
+            THING_SHM_THRESHOLD="1",
+        )
+        stored, _ = process.communicate("\n", timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert (int(out), int(stored)) == (100, 100)
