@@ -473,9 +473,14 @@ class _Channel:
             sent = False
         if not sent:
             prefix = wire.encode_prefix(header, payload.nbytes)
-            send_buffers(sock, [prefix, header, *(view for view in views if view.nbytes)])
+            buffers = [prefix, header, *(view for view in views if view.nbytes)]
             del views
-            send_buffers(sock, [wire.encode_trailer(any(torn(leaf) for leaf in payload.leaves))])
+            if any(leaf.version is not None for leaf in payload.leaves):
+                # Whether a torch tensor tore is known only once its bytes are in the kernel.
+                send_buffers(sock, buffers)
+                buffers = []
+            trailer = wire.encode_trailer(any(torn(leaf) for leaf in payload.leaves))
+            send_buffers(sock, [*buffers, trailer])
         # The bytes are in the kernel: drop our references so the arrays can be freed.
         payload.leaves.clear()
 

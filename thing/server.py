@@ -298,7 +298,9 @@ class Server:
             with self._lock:
                 self._connections[sock] = sender
             log.debug("client connected: %s (pid %d on %s)", address, sender.pid, sender.hostname)
-            while self._wait_readable(sock) and self._receive_frame(sock, sender, local):
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            while self._wait_readable(poller) and self._receive_frame(sock, sender, local):
                 pass
         except (HandshakeError, ProtocolError) as exc:
             self._warn_about(address, f"dropped {address}: {exc}")
@@ -353,10 +355,8 @@ class Server:
             pid=_int_or(info.get("pid"), 0),
         )
 
-    def _wait_readable(self, sock: socket.socket) -> bool:
+    def _wait_readable(self, poller: select.poll) -> bool:
         """Wait, as long as it takes, for the next frame to begin; False once closing."""
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
         while not self._closing.is_set():
             if poller.poll(1000):
                 return True
