@@ -219,7 +219,7 @@ def measure_training(thing, torch, rounds: int, seconds_per_round: float,
     handle.wait(TIMEOUT)
     step = statistics.median(train_plain(torch, model, optimizer, data, targets, 20)
                              for _ in range(3))
-    steps = max(50, int(seconds_per_round / step))
+    steps = max(20, int(seconds_per_round / step))
 
     plain: list[float] = []
     caught: list[float] = []
