@@ -255,8 +255,10 @@ sys.stdin.readline()
 
 @pytest.mark.parametrize("widen", [False, True], ids=["default", "THING_HOST"])
 def test_default_bind_is_loopback_and_thing_host_widens_it(tmp_path: Path, widen: bool) -> None:
+    runtime = tmp_path / "run"  # the token file and the Unix socket go here, not in ~ or /tmp
+    runtime.mkdir(mode=0o700)
     env = {"THING_HOST": "0.0.0.0" if widen else "", "HOME": str(tmp_path),
-           "XDG_RUNTIME_DIR": ""}
+           "XDG_RUNTIME_DIR": str(runtime)}
     process = subprocess.Popen([sys.executable, "-c", SERVE], env=script_env(**env), text=True,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE)
@@ -641,9 +643,9 @@ os._exit(0)
 """
 
 
-def test_running_out_of_file_descriptors_does_not_spin_the_accept_loop() -> None:
+def test_running_out_of_file_descriptors_does_not_spin_the_accept_loop(tmp_path: Path) -> None:
     """accept() failing with EMFILE leaves the connection pending: retrying at once would spin."""
-    server = start_script(EMFILE_SERVER)
+    server = start_script(EMFILE_SERVER, XDG_RUNTIME_DIR=str(tmp_path))
     peers = []
     try:
         assert server.stdout is not None

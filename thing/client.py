@@ -235,6 +235,11 @@ class Client:
         channel = self._channels.get(server)
         return channel is not None and channel.connected
 
+    def transport(self, server: str | None = None) -> str | None:
+        """The path to the (default) server: "tcp", "unix" or "shm"; None before connecting."""
+        channel = self._channels.get(server)
+        return None if channel is None else channel.transport
+
     # -- bookkeeping shared by the channels ----------------------------------------
 
     def _admit(self, nbytes: int, block: bool) -> bool:
