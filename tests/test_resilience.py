@@ -242,11 +242,6 @@ def test_drops_are_counted_and_summary_shows_them(capsys: pytest.CaptureFixture)
     assert "1 refused" in shown
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "thing/server.py counts refused connections (Server.refused) but no dropped transfers "
-    "(frames cut mid-way, peers dropped for bad frames or timeouts), and thing/display.py:"
-    "show_summary shows neither: the issue wants 'the counts of what was dropped are visible "
-    "in summary()' after a network cut or a killed client"))
 def test_summary_shows_transfers_cut_mid_frame_and_refused_connections(
         capsys: pytest.CaptureFixture) -> None:
     server = thing.Server(port=0)
@@ -375,12 +370,6 @@ def test_soak_rss_stays_under_the_cap_plus_a_margin(processes) -> None:
     assert grown < limit, f"RSS grew {grown / MiB:.0f} MiB over its baseline (limit {limit / MiB})"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "thing/buffers.py:55 puts the finalizer that recycles a receive buffer on the reshaped "
-    "array, but numpy views (x[:4], x.ravel()) collapse their base to the np.frombuffer array "
-    "under it: once the user drops the full array and keeps a slice, the buffer goes back to "
-    "the free list and the next capture of that size overwrites the slice. Finalize the "
-    "np.frombuffer array (every view keeps it alive) instead"))
 def test_a_slice_kept_by_the_user_is_never_overwritten_by_a_later_capture(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("THING_TRANSPORT", "tcp")  # shared memory is never pooled

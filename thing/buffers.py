@@ -48,10 +48,11 @@ class ReceiveBuffers:
             memory = mmap.mmap(-1, nbytes)
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 memory.madvise(mmap.MADV_HUGEPAGE)
-        array = np.frombuffer(memory, dtype, nbytes // dtype.itemsize).reshape(spec.shape)
-        # Runs when the array and every view of it (a torch tensor, a reshape) are gone.
-        weakref.finalize(array, self._give_back, memory)
-        return array
+        flat = np.frombuffer(memory, dtype, nbytes // dtype.itemsize)
+        # Every view (a reshape, a slice, a torch tensor) keeps ``flat`` alive: the memory
+        # goes back to the free list only when the last of them is gone.
+        weakref.finalize(flat, self._give_back, memory)
+        return flat.reshape(spec.shape)
 
     def _give_back(self, memory: mmap.mmap) -> None:
         # The dying array still holds its export of ``memory`` here, so it cannot be

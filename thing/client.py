@@ -439,8 +439,9 @@ class _Channel:
             self._queue.clear()
             for pending in dropped:
                 self.client._release(pending.payload.nbytes)
+        why = str(reason) if isinstance(reason, HandshakeError) else "no server is listening"
         for pending in dropped:
-            pending.handle._resolve(None, "no server is listening")
+            pending.handle._resolve(None, why)
         if first_failure:
             if isinstance(reason, HandshakeError):
                 log.warning("cannot use the thing server at %s:%d: %s", *self.address, reason)
@@ -518,6 +519,9 @@ class _Channel:
                 message = bytearray(length)
                 if length:
                     recv_buffers(sock, [message])
+                if seq == wire.SEQ_CURRENT_FRAME:  # acks come in order: it is the oldest
+                    with self._lock:
+                        seq = min(self._inflight, default=seq)
                 if status == wire.ACK_STORED:
                     self._finish(seq, capture_id, None)
                 else:

@@ -426,6 +426,12 @@ def show_summary(server: Any, max_items: int | None = 5) -> None:
     notes.append(f"{overview.evicted} evicted")
     if overview.rejected:
         notes.append(f"{overview.rejected} refused for lack of room")
+    cut = getattr(server, "dropped_transfers", 0)
+    if cut:
+        notes.append(f"{cut} transfer{'s' if cut != 1 else ''} dropped incomplete or invalid")
+    refused = getattr(server, "refused", 0)
+    if refused:
+        notes.append(f"{refused} connection{'s' if refused != 1 else ''} refused at the cap")
     held = f"{_bytes_text(overview.held_bytes)} held of a {_bytes_text(overview.max_bytes)} cap"
     if overview.max_versions:
         held += f", {overview.max_versions} versions per name"

@@ -80,7 +80,8 @@ class Server:
         self._closing = threading.Event()
         self._warned_at: dict[str, float] = {}
         self.received = 0
-        self.refused = 0
+        self.refused = 0  # connections turned away at the cap
+        self.dropped_transfers = 0  # frames begun but never stored
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -302,8 +303,11 @@ class Server:
             poller.register(sock, select.POLLIN)
             while self._wait_readable(poller) and self._receive_frame(sock, sender, local):
                 pass
-        except (HandshakeError, ProtocolError) as exc:
+        except HandshakeError as exc:
             self._warn_about(address, f"dropped {address}: {exc}")
+        except ProtocolError as exc:
+            self._warn_about(address, f"dropped {address}: {exc}")
+            _reject_and_close(sock, str(exc))
         except (ConnectionError, TimeoutError) as exc:
             log.debug("client %s went away: %s", address, exc)
         except OSError as exc:
@@ -371,6 +375,10 @@ class Server:
             return False  # a clean close between frames
         try:
             return self._receive_rest(sock, sender, prefix, fds)
+        except BaseException:
+            with self._lock:
+                self.dropped_transfers += 1  # cut mid-frame, invalid, or stalled: nothing kept
+            raise
         finally:
             for fd in fds:  # descriptors we did not adopt, e.g. sent by a misbehaving peer
                 os.close(fd)
@@ -462,6 +470,24 @@ def _sender_of(meta: dict[str, Any], connection: Sender) -> Sender:
         _int_or(rank, None),
         _int_or(world_size, None),
     )
+
+
+def _reject_and_close(sock: socket.socket, reason: str) -> None:
+    """Tell the peer why its frame was refused, then let it see the end of the stream.
+
+    Closing with its unread bytes still queued would reset the connection and
+    lose the answer, so read (and drop) what it still sends, briefly.
+    """
+    try:
+        set_timeouts(sock, 1.0, 0.2)
+        send_buffers(sock, [wire.encode_ack(wire.SEQ_CURRENT_FRAME, -1, reason[:1000])])
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + 1.0
+        scratch = bytearray(1 << 16)
+        while time.monotonic() < deadline and sock.recv_into(scratch):
+            pass
+    except OSError:
+        pass
 
 
 def _refuse(sock: socket.socket, reason: str) -> None:

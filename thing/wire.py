@@ -45,6 +45,8 @@ ACK = struct.Struct("<2sHIQq")
 ACK_TAG = b"TA"
 ACK_STORED = 0
 ACK_REJECTED = 1
+# The seq of a rejection for a frame whose header could not be read: the oldest unanswered one.
+SEQ_CURRENT_FRAME = (1 << 64) - 1
 
 _NDIM_MAX = 64
 _DIM_MAX = 1 << 62
@@ -268,8 +270,10 @@ def _decode_leaves(raw: Any, limits: Limits) -> tuple[LeafSpec, ...]:
             raise ProtocolError(f"leaf shape {shape!r} has a bad extent")
         if not isinstance(scalar, bool) or (scalar and shape):
             raise ProtocolError("leaf scalar flag is invalid")
-        count = math.prod(shape)
-        if count * CARRIER_DTYPES[dtype].itemsize > limits.max_capture_bytes:
+        # Zero extents make an empty array, but numpy still refuses one whose other
+        # extents overflow, so those must fit too.
+        span = math.prod(extent for extent in shape if extent)
+        if span * CARRIER_DTYPES[dtype].itemsize > limits.max_capture_bytes:
             raise LimitExceeded(f"leaf of shape {shape} exceeds {limits.max_capture_bytes} bytes")
         specs.append(LeafSpec(framework, dtype, tuple(shape), scalar))
     return tuple(specs)
