@@ -2,9 +2,16 @@
 
 Run as a script (``python benchmarks/_common.py thing-server``) it is the
 server process the benchmarks send to: it prints ``PORT <n>`` on stdout, keeps
-only the newest capture of each name, and answers two commands on stdin,
-``count`` (captures received so far, as JSON) and ``verify <name> <count>``
-(whether the newest capture of ``name`` is bit-exact the benchmark's pattern).
+only the newest capture of each name, and answers these commands on stdin, one
+JSON line each:
+
+- ``count``: captures received so far;
+- ``verify <name> <count>``: whether the newest capture of ``name`` is bit-exact
+  ``pattern(count)``;
+- ``touch <name>``: read one byte of every page of that capture, as a user of
+  the array would (a mapped array costs memory only once it is read);
+- ``clear``: forget every capture and spare receive buffer.
+
 It exits when stdin closes.
 """
 
@@ -12,11 +19,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import mmap
 import os
 import platform
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +35,43 @@ if str(REPO) not in sys.path:  # measure this checkout, not some other installed
 
 import numpy as np  # noqa: E402
 
+PATTERN_BLOCK = 1 << 20  # elements
+
 
 def pattern(count: int) -> np.ndarray:
-    """The float32 array of ``count`` elements every benchmark sends (deterministic, not zeros)."""
-    return np.random.default_rng(count).standard_normal(count, dtype=np.float32)
+    """The float32 array of ``count`` elements every benchmark sends (deterministic, not zeros).
+
+    A block of 2**20 normal floats repeats, each repeat with its index XOR-ed into the
+    low mantissa bits: a block delivered to the wrong place is caught, and a GiB is
+    made in a fraction of a second rather than the seconds a random GiB takes.
+    """
+    array = np.empty(count, np.float32)
+    bits = array.view(np.uint32)
+    for start, expected in _pattern_blocks(count):
+        bits[start:start + len(expected)] = expected
+    return array
 
 
-def bit_equal(a: Any, b: np.ndarray) -> bool:
-    """True when ``a`` holds exactly the bytes of ``b`` (NaN-safe: compares bit patterns)."""
-    a = np.asarray(a)
-    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
-        a.view(np.uint32), b.view(np.uint32))
+def matches_pattern(value: Any, count: int) -> bool:
+    """True when ``value`` holds exactly the bytes of ``pattern(count)``.
+
+    Compares bit patterns (NaN-safe), a block at a time, so checking a GiB needs no
+    second GiB.
+    """
+    array = np.asarray(value)
+    if array.dtype != np.float32 or array.shape != (count,):
+        return False
+    bits = array.view(np.uint32)
+    return all(np.array_equal(bits[start:start + len(expected)], expected)
+               for start, expected in _pattern_blocks(count))
+
+
+def _pattern_blocks(count: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(first element, bits as uint32) of each block of ``pattern(count)``."""
+    block = np.random.default_rng(count).standard_normal(
+        min(count, PATTERN_BLOCK), dtype=np.float32).view(np.uint32)
+    for index, start in enumerate(range(0, count, PATTERN_BLOCK)):
+        yield start, block[:min(PATTERN_BLOCK, count - start)] ^ np.uint32(index)
 
 
 def machine() -> dict[str, str]:
@@ -150,6 +185,44 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def memory_status(pid: int) -> dict[str, int]:
+    """A process's resident set now (``VmRSS``) and at its peak (``VmHWM``), in bytes (Linux)."""
+    status = {}
+    with open(f"/proc/{pid}/status") as lines:
+        for line in lines:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                status[key] = int(value.split()[0]) * 1024  # reported in kB
+    return status
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Set a process's peak RSS back to its current RSS; True if that worked.
+
+    Writing 5 to ``/proc/<pid>/clear_refs`` does it (Linux 4.0 and later, for a
+    process we may ptrace).
+    """
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        status = memory_status(pid)
+    except OSError:
+        return False
+    return status["VmHWM"] - status["VmRSS"] < 1 << 20  # a page or two may come and go
+
+
+def memory_available() -> int:
+    """Bytes the kernel could give out now without swapping (``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def _serve_thing() -> None:
     import thing
 
@@ -166,10 +239,15 @@ def _serve_thing() -> None:
             name, count = words[1], int(words[2])
             try:
                 value = server.get(name)
-                answer = {"name": name, "ok": bit_equal(value, pattern(count)),
+                answer = {"name": name, "ok": matches_pattern(value, count),
                           "type": type(value).__name__}
             except Exception as exc:  # report, do not crash the benchmark
                 answer = {"name": name, "ok": False, "error": repr(exc)}
+        elif words[0] == "touch":
+            pages = np.asarray(server.get(words[1])).reshape(-1).view(np.uint8)[::mmap.PAGESIZE]
+            answer = {"name": words[1], "pages": len(pages), "sum": int(pages.sum())}
+        elif words[0] == "clear":
+            answer = {"dropped": server.clear()}
         else:
             answer = {"error": f"unknown command {words[0]!r}"}
         print(json.dumps(answer), flush=True)

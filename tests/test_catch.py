@@ -169,13 +169,16 @@ def test_block_true_waits_for_room(server: thing.Server) -> None:
 def test_in_place_update_is_flagged_and_copy_is_not(server: thing.Server) -> None:
     run_script(
         """
-        import torch, thing
+        import numpy as np, torch, thing
         weight = torch.zeros(16 << 20)
+        # A large capture ahead in the queue keeps the sender busy, so the update
+        # below surely lands before the weight's bytes are all sent.
+        plug = thing.catch(np.ones(64 << 20, np.float32), name="plug")
         torn = thing.catch(weight, name="torn")
         weight.add_(1)  # optimizer.step() while the send is in flight
         snapshot = thing.catch(weight, name="snapshot", copy=True)
         weight.add_(1)
-        assert torn.wait(30) and snapshot.wait(30)
+        assert plug.wait(30) and torn.wait(30) and snapshot.wait(30)
         """,
         server.port,
     )

@@ -537,8 +537,14 @@ def read_ack(sock: socket.socket) -> tuple[int, int, str]:
 
 
 def assert_closed_by_server(sock: socket.socket) -> None:
+    """The server refused the frame: at most a rejection naming the reason, then the end."""
     try:
-        assert sock.recv(1) == b""
+        prefix = sock.recv(wire.ACK.size, socket.MSG_WAITALL)
+        if prefix:
+            status, length, seq, _ = wire.decode_ack(prefix)
+            assert (status, seq) == (wire.ACK_REJECTED, wire.SEQ_CURRENT_FRAME)
+            assert len(sock.recv(length, socket.MSG_WAITALL)) == length
+            assert sock.recv(1) == b""
     except ConnectionResetError:
         pass
 
