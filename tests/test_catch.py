@@ -173,7 +173,7 @@ def test_in_place_update_is_flagged_and_copy_is_not(server: thing.Server) -> Non
         weight = torch.zeros(16 << 20)
         # A large capture ahead in the queue keeps the sender busy, so the update
         # below surely lands before the weight's bytes are all sent.
-        plug = thing.catch(np.ones(64 << 20, np.float32), name="plug")
+        plug = thing.catch(np.ones(16 << 20, np.float32), name="plug")
         torn = thing.catch(weight, name="torn")
         weight.add_(1)  # optimizer.step() while the send is in flight
         snapshot = thing.catch(weight, name="snapshot", copy=True)
