@@ -231,27 +231,31 @@ def _serve_thing() -> None:
     print(f"PORT {server.port}", flush=True)
     for line in sys.stdin:
         words = line.split()
-        if not words:
-            continue
-        if words[0] == "count":
-            answer: Any = {"received": server.received, "backend": thing.BACKEND}
-        elif words[0] == "verify":
-            name, count = words[1], int(words[2])
+        if words:
             try:
-                value = server.get(name)
-                answer = {"name": name, "ok": matches_pattern(value, count),
-                          "type": type(value).__name__}
+                answer = _answer(server, words)
             except Exception as exc:  # report, do not crash the benchmark
-                answer = {"name": name, "ok": False, "error": repr(exc)}
-        elif words[0] == "touch":
-            pages = np.asarray(server.get(words[1])).reshape(-1).view(np.uint8)[::mmap.PAGESIZE]
-            answer = {"name": words[1], "pages": len(pages), "sum": int(pages.sum())}
-        elif words[0] == "clear":
-            answer = {"dropped": server.clear()}
-        else:
-            answer = {"error": f"unknown command {words[0]!r}"}
-        print(json.dumps(answer), flush=True)
+                answer = {"command": words, "ok": False, "error": repr(exc)}
+            print(json.dumps(answer), flush=True)
     server.close()
+
+
+def _answer(server: Any, words: list[str]) -> dict[str, Any]:
+    """The thing server child's answer to one command (see the module docstring)."""
+    import thing
+
+    if words[0] == "count":
+        return {"received": server.received, "backend": thing.BACKEND}
+    if words[0] == "verify":
+        value = server.get(words[1])
+        return {"name": words[1], "ok": matches_pattern(value, int(words[2])),
+                "type": type(value).__name__}
+    if words[0] == "touch":
+        pages = np.asarray(server.get(words[1])).reshape(-1).view(np.uint8)[::mmap.PAGESIZE]
+        return {"name": words[1], "pages": len(pages), "sum": int(pages.sum())}
+    if words[0] == "clear":
+        return {"dropped": server.clear()}
+    return {"error": f"unknown command {words[0]!r}"}
 
 
 if __name__ == "__main__":
