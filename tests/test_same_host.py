@@ -146,7 +146,7 @@ def test_client_forced_to_a_path_uses_it_and_says_so_once(
         full=True,
         THING_TRANSPORT=forced,
     )
-    used = "shm" if forced == "auto" else forced  # auto takes the fastest path on this host
+    used = "unix" if forced == "auto" else forced  # auto takes the fastest path measured here
     assert result.stdout.split() == [used]
     lines = client_log(result.stderr)
     assert len(lines) == 1, result.stderr
@@ -432,7 +432,7 @@ def test_shared_memory_falls_back_to_the_stream_when_descriptors_run_out(
 
 
 def test_without_memfd_the_client_uses_the_unix_socket(server: thing.Server) -> None:
-    """A platform without memfd_create (``shm.AVAILABLE`` false): auto picks the plain socket."""
+    """A platform without memfd_create (``shm.AVAILABLE`` false): shm falls back to the socket."""
     result = run_script(
         f"""
         {LOGGING}
@@ -443,6 +443,7 @@ def test_without_memfd_the_client_uses_the_unix_socket(server: thing.Server) -> 
         """,
         server.port,
         full=True,
+        THING_TRANSPORT="shm",
     )
     assert result.stdout.split() == ["unix"]
     assert client_log(result.stderr) == [

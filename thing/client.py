@@ -318,7 +318,10 @@ class _Channel:
             if not self.client._admit(nbytes, block):
                 return QUEUE_FULL
             self._queue.append(pending)
-            self._lock.notify_all()
+            # A small capture joining others needs no wake-up: the sender is already
+            # gathering them (see _gather), and waking it costs the training loop more.
+            if len(self._queue) == 1 or nbytes >= _SMALL_BYTES or len(self._queue) >= _BATCH:
+                self._lock.notify_all()
         return pending.handle
 
     def close(self) -> None:
@@ -373,7 +376,7 @@ class _Channel:
             try:
                 if path is not None and path.exists():
                     sock = connect_unix(path, config.connect_timeout())
-                    return sock, "shm" if wanted in ("auto", "shm") and shm.AVAILABLE else "unix"
+                    return sock, "shm" if wanted == "shm" and shm.AVAILABLE else "unix"
             except OSError as exc:
                 log.debug("Unix socket %s unusable (%s); trying TCP", path, exc)
         return connect(host, port, config.connect_timeout()), "tcp"
@@ -457,10 +460,34 @@ class _Channel:
                     return
                 if self._lost:
                     raise ConnectionResetError("the server closed the connection")
-                pending = self._queue.popleft()
-                seq = next(self._seq)
-                self._inflight[seq] = pending
-            self._send(sock, seq, pending)
+                self._gather()
+                batch = []
+                while self._queue:
+                    pending = self._queue.popleft()
+                    seq = next(self._seq)
+                    self._inflight[seq] = pending
+                    batch.append((seq, pending))
+            for seq, pending in batch:
+                self._send(sock, seq, pending)
+
+    def _gather(self) -> None:
+        """Let small captures wait a moment for company (the caller holds the lock).
+
+        A loop that catches a scalar every step then costs the sender one
+        wake-up per batch instead of one per capture; a large capture, a long
+        queue or closing ends the wait at once.
+        """
+        deadline = time.monotonic() + _GATHER_SECONDS
+        while (
+            not self._closed
+            and not self._lost
+            and len(self._queue) < _BATCH
+            and all(pending.payload.nbytes < _SMALL_BYTES for pending in self._queue)
+        ):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._lock.wait(remaining)
 
     def _send(self, sock: socket.socket, seq: int, pending: _Pending) -> None:
         payload = pending.payload
@@ -550,6 +577,12 @@ class _Channel:
         for seq in seqs:
             self._finish(seq, None, reason)
 
+
+# Captures below _SMALL_BYTES wait up to _GATHER_SECONDS to be sent with others, at most
+# _BATCH at a time: delivery a few milliseconds later, for far fewer thread wake-ups.
+_SMALL_BYTES = 64 << 10
+_GATHER_SECONDS = 0.01
+_BATCH = 64
 
 _TRANSPORT_NAMES = {
     "tcp": "TCP",

@@ -84,9 +84,11 @@ def reconnect_interval() -> float:
 def transport() -> str:
     """How a client reaches a server on this host (``THING_TRANSPORT``): auto, tcp, unix or shm.
 
-    ``auto`` (the default) and ``shm`` use the Unix socket with shared memory
-    for large arrays, ``unix`` the Unix socket alone; each falls back to the
-    next when unavailable.
+    ``auto`` (the default) and ``unix`` use the Unix socket; ``shm`` adds the
+    shared-memory hand-off for large arrays. ``auto`` leaves shared memory out
+    because, measured (benchmarks/README.md), faulting in fresh shared pages
+    costs more than the socket copies it saves. Each falls back to the next
+    path (shm, unix, tcp) when unavailable.
     """
     value = os.environ.get("THING_TRANSPORT", "").strip().lower() or "auto"
     if value not in ("auto", "tcp", "unix", "shm"):

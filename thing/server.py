@@ -301,8 +301,17 @@ class Server:
             log.debug("client connected: %s (pid %d on %s)", address, sender.pid, sender.hostname)
             poller = select.poll()
             poller.register(sock, select.POLLIN)
-            while self._wait_readable(poller) and self._receive_frame(sock, sender, local):
-                pass
+            acks: list[bytes] = []
+            while self._wait_readable(poller):
+                ack = self._receive_frame(sock, sender, local)
+                if ack is None:
+                    break
+                acks.append(ack)
+                # Frames that arrived together are answered together: one send, and
+                # one wake-up of the client's reader, per batch.
+                if len(acks) >= 64 or not poller.poll(0):
+                    send_buffers(sock, acks)
+                    acks.clear()
         except HandshakeError as exc:
             self._warn_about(address, f"dropped {address}: {exc}")
         except ProtocolError as exc:
@@ -366,13 +375,16 @@ class Server:
                 return True
         return False
 
-    def _receive_frame(self, sock: socket.socket, sender: Sender, local: bool) -> bool:
-        """Receive, validate and store one frame; False when the peer closed between frames."""
+    def _receive_frame(self, sock: socket.socket, sender: Sender, local: bool) -> bytes | None:
+        """Receive, validate and store one frame; return its acknowledgement.
+
+        None when the peer closed between frames.
+        """
         self._start_deadline(sock)
         try:
             prefix, fds = _recv_prefix(sock, local)
         except ConnectionResetError:
-            return False  # a clean close between frames
+            return None  # a clean close between frames
         try:
             return self._receive_rest(sock, sender, prefix, fds)
         except BaseException:
@@ -385,7 +397,7 @@ class Server:
 
     def _receive_rest(
         self, sock: socket.socket, sender: Sender, prefix: bytes, fds: list[int]
-    ) -> bool:
+    ) -> bytes:
         kind, header_len, payload_len = wire.decode_prefix(prefix, self.limits)
         shared = kind == wire.KIND_SHARED_MEMORY
         if len(fds) != shared:
@@ -397,9 +409,8 @@ class Server:
             self.store.reserve(payload_len)
         except LimitExceeded as exc:
             _discard(sock, (0 if shared else payload_len) + wire.FRAME_TRAILER.size)
-            send_buffers(sock, [wire.encode_ack(header.seq, -1, str(exc))])
             log.warning("rejected %r from %s: %s", header.name, sender.address, exc)
-            return True
+            return wire.encode_ack(header.seq, -1, str(exc))
         stored = False
         try:
             trailer = bytearray(wire.FRAME_TRAILER.size)
@@ -425,15 +436,13 @@ class Server:
             )
             stored = True
         except LimitExceeded as exc:  # the whole frame was read: the stream is still in step
-            send_buffers(sock, [wire.encode_ack(header.seq, -1, str(exc))])
             log.warning("rejected %r from %s: %s", header.name, sender.address, exc)
-            return True
+            return wire.encode_ack(header.seq, -1, str(exc))
         finally:
             if not stored:
                 self.store.release(payload_len)
         self.received += 1
-        send_buffers(sock, [wire.encode_ack(header.seq, capture.id)])
-        return True
+        return wire.encode_ack(header.seq, capture.id)
 
 
 def _recv_prefix(sock: socket.socket, local: bool) -> tuple[bytes, list[int]]:
