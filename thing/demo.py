@@ -62,12 +62,13 @@ def run(steps: int = STEPS, use_torch: bool | None = None, timeout: float = 120.
 def _train_elsewhere(host: str, port: int, steps: int, use_torch: bool, timeout: float) -> int:
     """Run the training half in a fresh interpreter and wait for it (at most ``timeout`` s)."""
     env = dict(os.environ, THING_SERVER=host, THING_PORT=str(port))
-    package_parent = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "thing.demo", "--train", "--steps", str(steps)]
     if not use_torch:
         command.append("--numpy")
-    process = subprocess.Popen(command, env=env)
+    # "-m" puts the working directory first on sys.path: run where this very thing
+    # package lives, so a source checkout in the current directory cannot shadow it.
+    package_parent = Path(__file__).resolve().parent.parent
+    process = subprocess.Popen(command, env=env, cwd=package_parent)
     try:
         status = process.wait(timeout)
     except subprocess.TimeoutExpired:

@@ -134,7 +134,9 @@ class Server:
         with self._lock:
             for sock in self._connections:
                 _shutdown(sock)
-        for thread in self._threads:
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
             thread.join(timeout=5)
         self._listener.close()
         self._listener = None
@@ -227,8 +229,9 @@ class Server:
 
     def _spawn(self, target: Any, name: str, *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        self._threads = [t for t in self._threads if t.is_alive()]
-        self._threads.append(thread)
+        with self._lock:  # two accept loops (TCP and Unix) spawn concurrently
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
         thread.start()
 
     def _accept_loop(self, listener: socket.socket) -> None:
