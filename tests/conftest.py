@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +77,42 @@ def run_script(
     return result if full else result.stdout
 
 
-def start_script(code: str, port: int | None = None, **env: str) -> subprocess.Popen:
-    """Start ``code`` in a fresh interpreter and return at once."""
+def start_script(
+    code: str, port: int | None = None, stdin: bool = False, **env: str
+) -> subprocess.Popen:
+    """Start ``code`` in a fresh interpreter and return at once.
+
+    ``stdin=True`` gives it a pipe on which the test can say "go on".
+    """
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=script_env(port, **env),
+        stdin=subprocess.PIPE if stdin else None,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def poll(condition: Callable[[], Any], timeout: float = 15, what: str = "condition") -> Any:
+    """Wait until ``condition()`` is truthy and return it; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def open_fds() -> int:
+    """File descriptors this process holds."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -5,16 +5,15 @@ Real processes and real sockets throughout; every wait has a deadline.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import signal
 import socket
 import subprocess
-import sys
-import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -23,21 +22,14 @@ import thing
 from thing import wire
 from thing.store import HistoryStore
 
-from .conftest import script_env
+from .conftest import free_port, poll, start_script
+
+# A test writes a line on stdin to tell the script "go on".
+_start = functools.partial(start_script, stdin=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
-def _start(code: str, port: int | None = None, **env: str) -> subprocess.Popen:
-    """Like conftest.start_script, with a stdin pipe the test uses to say "go on"."""
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)], env=script_env(port, **env), text=True,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )
 
 
 def _read_line(process: subprocess.Popen, expected: str) -> str:
@@ -49,12 +41,6 @@ def _read_line(process: subprocess.Popen, expected: str) -> str:
     return line
 
 
-def _poll(condition: Callable[[], bool], timeout: float = 15, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -83,7 +69,7 @@ def _round_trip_here(server: thing.Server, name: str) -> None:
 
 
 def test_server_started_after_the_client(backend: str, processes) -> None:
-    port = _free_port()
+    port = free_port()
     client = _start(
         """
         import sys, time
@@ -125,7 +111,7 @@ def test_server_started_after_the_client(backend: str, processes) -> None:
 
 
 def test_server_killed_while_a_client_streams(backend: str, processes) -> None:
-    port = _free_port()
+    port = free_port()
     first_server = _start(
         """
         import os, threading, thing
@@ -229,15 +215,15 @@ def test_client_killed_mid_frame(server: thing.Server, backend: str, processes, 
         payload_len = int(_read_line(half, "sent").split()[1])
         if stop_in == "payload":  # the server reserved room for the frame and is receiving it
             if end == "kill":
-                _poll(lambda: server.store.held_bytes == held_before + payload_len,
+                poll(lambda: server.store.held_bytes == held_before + payload_len,
                       what="the server to reserve the frame's bytes")
             else:
                 _read_line(half, "closed")
         if end == "kill":
             half.send_signal(signal.SIGKILL)
             half.wait(10)
-        _poll(lambda: server.store.held_bytes == held_before, what="the reservation to go")
-        _poll(lambda: all(c.hostname != "half-frame" for c in server.clients()),
+        poll(lambda: server.store.held_bytes == held_before, what="the reservation to go")
+        poll(lambda: all(c.hostname != "half-frame" for c in server.clients()),
               what="the server to drop the dead connection")
         assert len(server.store) == count_before
         assert "half" not in server.store.names()
@@ -283,7 +269,7 @@ def test_garbage_after_a_valid_handshake_is_dropped(server: thing.Server) -> Non
         assert wire.decode_handshake_prefix(reply)[0] == wire.HANDSHAKE_OK
         peer.recv(4096)  # the rest of the server's handshake
         peer.sendall(b"not a frame prefix at all")
-        _poll(lambda: all(c.hostname != "h" for c in server.clients()), what="the drop")
+        poll(lambda: all(c.hostname != "h" for c in server.clients()), what="the drop")
         answer = b""
         try:
             while chunk := peer.recv(4096):
@@ -340,7 +326,7 @@ def test_client_reports_a_server_of_another_version(caplog: pytest.LogCaptureFix
                 peer.sendall(wire.HANDSHAKE.pack(wire.MAGIC, wire.VERSION + 1, 0, len(body)) + body)
                 assert handle.wait(10) is False
             # The handle is resolved just before the warning is logged.
-            _poll(lambda: any("version" in r.getMessage() for r in caplog.records),
+            poll(lambda: any("version" in r.getMessage() for r in caplog.records),
                   what=f"a warning about the version, got {caplog.messages}")
         client.close()
 

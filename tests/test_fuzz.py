@@ -39,7 +39,8 @@ from thing.arrays import finish
 from thing.buffers import ReceiveBuffers
 from thing.errors import ProtocolError
 
-from .test_security import frame_bytes, open_fds, poll, read_to_end, stored_acks
+from .conftest import open_fds, poll
+from .test_security import frame_bytes, read_to_end, stored_acks
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
 LIMITS = wire.Limits(max_capture_bytes=64 << 20, max_header_bytes=1 << 20)

@@ -9,6 +9,7 @@ floods a byte-capped server in a child process and samples its RSS.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import random
 import re
@@ -16,9 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -30,12 +29,15 @@ import thing
 from thing import wire
 from thing.store import HistoryStore
 
-from .conftest import script_env
-from .test_security import Relay, frame_bytes, open_fds, poll, raw_peer
+from .conftest import free_port, open_fds, poll, start_script
+from .test_security import Relay, frame_bytes, raw_peer
 
 # -- arrays a receiver can check on its own -------------------------------------------------
 
 SMALL, LARGE = 4096, 163_840  # int64 elements: 32 KiB, and 1.25 MiB (above the shm threshold)
+
+# A test writes a line on stdin to tell the script "go on".
+_start = functools.partial(start_script, stdin=True)
 
 
 
@@ -60,16 +62,8 @@ def verify(array: np.ndarray) -> tuple[int, int]:
     return sender, i
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
-def _start(code: str, port: int | None = None, **env: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)], env=script_env(port, **env), text=True,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _expect(process: subprocess.Popen, prefix: str) -> str:
@@ -129,7 +123,7 @@ def test_server_killed_and_restarted_while_eight_clients_stream(
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))  # for both servers and every client
-    port = _free_port()
+    port = free_port()
     cap = str(128 << 20)
     first = _start(RESTART_SERVER, SERVE_PORT=str(port), THING_STORE_BYTES=cap)
     processes.append(first)

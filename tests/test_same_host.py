@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,28 +34,15 @@ from thing import shm, wire
 from thing.sockets import connect, connect_unix, is_this_host, unix_socket_path
 from thing.store import HistoryStore
 
-from .conftest import run_script, script_env, start_script
+from .conftest import open_fds, poll, run_script, script_env, start_script
 
 NOBODY = 65534
 
 # -- helpers -------------------------------------------------------------------------------
 
 
-def poll(condition: Callable[[], Any], timeout: float = 15, what: str = "condition") -> Any:
-    """Wait until ``condition()`` is truthy and return it; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
-def open_fds() -> int:
-    """Descriptors this process holds."""
-    return len(os.listdir("/proc/self/fd"))
 
 
 def memfd_mappings() -> int:

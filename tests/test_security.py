@@ -33,26 +33,13 @@ from thing import auth, config, wire
 from thing.arrays import leaf_bytes
 from thing.store import HistoryStore
 
-from .conftest import run_script, script_env, start_script
+from .conftest import poll, run_script, script_env, start_script
 
 # -- helpers shared by the robustness tests ------------------------------------------------
 
 
-def poll(condition: Callable[[], Any], timeout: float = 15, what: str = "condition") -> Any:
-    """Wait until ``condition()`` is truthy and return it; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
-def open_fds() -> int:
-    """File descriptors this process holds."""
-    return len(os.listdir("/proc/self/fd"))
 
 
 def frame_bytes(value: Any, name: str | None = "x", seq: int = 0,
