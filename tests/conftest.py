@@ -116,3 +116,24 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def expect_line(process: subprocess.Popen, prefix: str) -> str:
+    """The script's next line of output, which must start with ``prefix``."""
+    assert process.stdout is not None
+    line = process.stdout.readline()  # every script prints within seconds or dies
+    if not line.startswith(prefix):
+        process.kill()
+        raise AssertionError(f"expected {prefix!r}, got {line!r}:\n{process.communicate()[1]}")
+    return line
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen]]:
+    """Subprocesses a test starts; whatever is still running at the end is killed."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()

@@ -11,9 +11,7 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,36 +20,10 @@ import thing
 from thing import wire
 from thing.store import HistoryStore
 
-from .conftest import free_port, poll, start_script
+from .conftest import expect_line, free_port, poll, start_script
 
 # A test writes a line on stdin to tell the script "go on".
 _start = functools.partial(start_script, stdin=True)
-
-
-
-
-
-
-def _read_line(process: subprocess.Popen, expected: str) -> str:
-    assert process.stdout is not None
-    line = process.stdout.readline()  # every script prints within seconds or dies
-    if not line.startswith(expected):
-        process.kill()
-        raise AssertionError(f"expected {expected!r}, got {line!r}:\n{process.communicate()[1]}")
-    return line
-
-
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen]]:
-    """Subprocesses a test starts; whatever is still running at the end is killed."""
-    started: list[subprocess.Popen] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-        process.communicate()
 
 
 def _round_trip_here(server: thing.Server, name: str) -> None:
@@ -95,7 +67,7 @@ def test_server_started_after_the_client(backend: str, processes) -> None:
         port,
     )
     processes.append(client)
-    _, delivered, second, took, waited, second_took = _read_line(client, "down").split()
+    _, delivered, second, took, waited, second_took = expect_line(client, "down").split()
     assert delivered == "False" and second == "False"
     assert float(took) < 0.5 and float(second_took) < 0.1, "catch blocked with no server"
     assert float(waited) < 5
@@ -103,7 +75,7 @@ def test_server_started_after_the_client(backend: str, processes) -> None:
         assert client.stdin is not None
         client.stdin.write("go\n")
         client.stdin.flush()
-        _, last = _read_line(client, "delivered").split()[:2]
+        _, last = expect_line(client, "delivered").split()[:2]
         out, err = client.communicate(timeout=30)
         assert client.returncode == 0, err
         assert np.array_equal(server.get("late"), np.full(4, int(last)))
@@ -122,7 +94,7 @@ def test_server_killed_while_a_client_streams(backend: str, processes) -> None:
         SERVE_PORT=str(port),
     )
     processes.append(first_server)
-    _read_line(first_server, "serving")
+    expect_line(first_server, "serving")
     client = _start(
         """
         import select, sys, time
@@ -152,7 +124,7 @@ def test_server_killed_while_a_client_streams(backend: str, processes) -> None:
         port,
     )
     processes.append(client)
-    _read_line(client, "acked")
+    expect_line(client, "acked")
     first_server.send_signal(signal.SIGKILL)  # mid-stream, quite possibly mid-frame
     first_server.wait(10)
     with thing.Server(port=port) as second_server:
@@ -212,13 +184,13 @@ def test_client_killed_mid_frame(server: thing.Server, backend: str, processes, 
         held_before, count_before = server.store.held_bytes, len(server.store)
         half = _start(HALF_FRAME, server.port, STOP_IN=stop_in, END=end)
         processes.append(half)
-        payload_len = int(_read_line(half, "sent").split()[1])
+        payload_len = int(expect_line(half, "sent").split()[1])
         if stop_in == "payload":  # the server reserved room for the frame and is receiving it
             if end == "kill":
                 poll(lambda: server.store.held_bytes == held_before + payload_len,
                       what="the server to reserve the frame's bytes")
             else:
-                _read_line(half, "closed")
+                expect_line(half, "closed")
         if end == "kill":
             half.send_signal(signal.SIGKILL)
             half.wait(10)

@@ -16,11 +16,9 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -29,7 +27,7 @@ import thing
 from thing import wire
 from thing.store import HistoryStore
 
-from .conftest import free_port, open_fds, poll, start_script
+from .conftest import expect_line, free_port, open_fds, poll, start_script
 from .test_security import Relay, frame_bytes, raw_peer
 
 # -- arrays a receiver can check on its own -------------------------------------------------
@@ -38,7 +36,6 @@ SMALL, LARGE = 4096, 163_840  # int64 elements: 32 KiB, and 1.25 MiB (above the 
 
 # A test writes a line on stdin to tell the script "go on".
 _start = functools.partial(start_script, stdin=True)
-
 
 
 def make_array(sender, i, size):  # its source is sent to the client processes too
@@ -60,30 +57,6 @@ def verify(array: np.ndarray) -> tuple[int, int]:
     expected = make_array(sender, i, size)
     assert array.tobytes() == expected.tobytes(), f"array {i} from sender {sender} is corrupted"
     return sender, i
-
-
-
-
-
-
-def _expect(process: subprocess.Popen, prefix: str) -> str:
-    assert process.stdout is not None
-    line = process.stdout.readline()  # each script prints within seconds or dies
-    if not line.startswith(prefix):
-        process.kill()
-        raise AssertionError(f"expected {prefix!r}, got {line!r}:\n{process.communicate()[1]}")
-    return line
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen]]:
-    """Subprocesses a test starts; whatever still runs at the end is killed."""
-    started: list[subprocess.Popen] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-        process.communicate()
 
 
 # -- a server killed and restarted while 8 clients stream ---------------------------------------
@@ -127,7 +100,7 @@ def test_server_killed_and_restarted_while_eight_clients_stream(
     cap = str(128 << 20)
     first = _start(RESTART_SERVER, SERVE_PORT=str(port), THING_STORE_BYTES=cap)
     processes.append(first)
-    _expect(first, "serving")
+    expect_line(first, "serving")
     clients = []
     for sender in range(8):
         # Half over TCP, half over the same-host path (Unix socket, shared memory); half with
@@ -136,7 +109,7 @@ def test_server_killed_and_restarted_while_eight_clients_stream(
                               THING_TRANSPORT="tcp" if sender % 2 else "auto",
                               THING_PUREPYTHON="1" if sender >= 4 else ""))
     processes.extend(clients)
-    assert _expect(first, "all").split() == ["all", "8"]
+    assert expect_line(first, "all").split() == ["all", "8"]
     first.send_signal(signal.SIGKILL)  # mid-stream: some frames are cut in half
     first.wait(10)
     killed_at = time.monotonic()
@@ -321,7 +294,7 @@ def _soak(cap: int, duration: float, processes: list, runtime: str, **env: str) 
     server = _start(SOAK_SERVER, CAP=str(cap), THING_TRANSPORT="tcp", XDG_RUNTIME_DIR=runtime,
                     **env)
     processes.append(server)
-    port, pid = map(int, _expect(server, "").split())
+    port, pid = map(int, expect_line(server, "").split())
     baseline = _rss(pid)
     senders = [_start(SOAK_SENDER, port, DURATION=str(duration), THING_TRANSPORT="tcp", **env)
                for _ in range(4)]
@@ -339,7 +312,7 @@ def _soak(cap: int, duration: float, processes: list, runtime: str, **env: str) 
     assert server.stdin is not None
     server.stdin.write("stats\n")
     server.stdin.flush()
-    received, evicted, rejected, held = map(int, _expect(server, "").split())
+    received, evicted, rejected, held = map(int, expect_line(server, "").split())
     server.communicate(timeout=30)
     assert received == sent and rejected == 0 and held <= cap
     return {"baseline": baseline, "peak": peak, "received": received, "evicted": evicted,
