@@ -8,7 +8,11 @@ and ``thing`` imported. ``thing demo`` runs the end-to-end demo.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 FIRST_COMMANDS = (
@@ -45,9 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve_interactively(args.port, args.host, plain=args.plain)
     if args.command == "demo":
-        from . import demo as demo_module
-
-        return demo_module.run(args.steps, use_torch=False if args.numpy else None)
+        return run_demo(args.steps, use_torch=False if args.numpy else None)
     parser.print_help()
     return 2
 
@@ -91,3 +93,54 @@ def _start_ipython(namespace: dict[str, Any], banner: str) -> bool:
     print(banner, flush=True)
     start_ipython(argv=["--no-banner"], user_ns=namespace)
     return True
+
+
+def run_demo(steps: int = 100, use_torch: bool | None = None, timeout: float = 120.0) -> int:
+    """``thing demo``: serve here, train in another process (``thing/demo.py``), show what came."""
+    from . import repl
+
+    if use_torch is None:
+        use_torch = importlib.util.find_spec("torch") is not None
+    was_serving = repl._server is not None and repl._server.running
+    server = repl.serve(port=0)  # a free port, unless a server already runs here
+    try:
+        print(f"thing demo: training a small {'torch' if use_torch else 'numpy'} model for "
+              f"{steps} steps in another process, sending to port {server.port}...", flush=True)
+        host = "127.0.0.1" if server.host in ("", "0.0.0.0", "::") else server.host
+        status = _train_elsewhere(host, server.port, steps, use_torch, timeout)
+        if status != 0:
+            return status
+        print("\n>>> thing.summary()", flush=True)
+        repl.summary()
+        for name in ("model.hidden.weight", "activations"):
+            print(f"\n>>> thing.describe({name!r})", flush=True)
+            repl.describe(name)
+        print("\nNext: run `thing serve` here, call thing.catch(...) in your own training "
+              "script, then try thing.get('loss'), thing.ingest_all() and thing.help().")
+        return 0
+    finally:
+        if not was_serving:
+            server.close()
+
+
+def _train_elsewhere(host: str, port: int, steps: int, use_torch: bool, timeout: float) -> int:
+    """Run the training half in a fresh interpreter and wait for it (at most ``timeout`` s)."""
+    env = dict(os.environ, THING_SERVER=host, THING_PORT=str(port))
+    command = [sys.executable, "-m", "thing.demo", "--steps", str(steps)]
+    if not use_torch:
+        command.append("--numpy")
+    # "-m" puts the working directory first on sys.path: run where this very thing
+    # package lives, so a source checkout in the current directory cannot shadow it.
+    package_parent = Path(__file__).resolve().parent.parent
+    process = subprocess.Popen(command, env=env, cwd=package_parent)
+    try:
+        status = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        print(f"thing demo: the training process did not finish within {timeout:.0f} s",
+              file=sys.stderr)
+        return 1
+    if status != 0:
+        print(f"thing demo: the training process failed (exit status {status})", file=sys.stderr)
+    return status

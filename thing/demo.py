@@ -1,88 +1,32 @@
-"""``thing demo``: a training job in one process streaming tensors to this one.
+"""The demo's training job: a small model that catches its tensors as it trains.
 
-It starts a server (or uses the one ``thing.serve()`` already started), runs
-a small training loop in a separate Python process that catches
+``thing demo`` (see ``cli.py``) runs it in a separate process, sending to a
+server of its own, then shows what arrived. It catches
 
 * ``loss`` every step,
 * ``model.hidden.weight`` (the first layer's weight matrix) every 10 steps,
-* ``activations``, a dict of the hidden layer's output and the prediction, every 10 steps,
+* ``activations``, a dict of the hidden layer's output and the prediction, every 10 steps.
 
-then prints ``thing.summary()`` and ``thing.describe()`` of what arrived. The
-model is a two-layer MLP fitting a smooth function of four inputs: a torch
+The model is a two-layer MLP fitting a smooth function of four inputs: a torch
 model when torch is installed, else the same model in numpy trained by
-hand-written gradient descent. ``python -m thing.demo --train`` runs only the
-training half, sending wherever ``THING_SERVER``/``THING_PORT`` point.
+hand-written gradient descent. ``python -m thing.demo`` runs it alone, sending
+wherever ``THING_SERVER``/``THING_PORT`` point; its progress goes to the
+``thing.demo`` logger, like any training job's own logging.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
-import subprocess
+import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-# The names the training process catches under (traced from its source text).
-NAMES = ("loss", "model.hidden.weight", "activations")
 STEPS = 100
 
-
-def run(steps: int = STEPS, use_torch: bool | None = None, timeout: float = 120.0) -> int:
-    """Run the whole demo in this process and a training subprocess; return an exit status."""
-    from . import repl
-
-    if use_torch is None:
-        use_torch = importlib.util.find_spec("torch") is not None
-    was_serving = repl._server is not None and repl._server.running
-    server = repl.serve(port=0)  # a free port, unless a server already runs here
-    try:
-        print(f"thing demo: training a small {'torch' if use_torch else 'numpy'} model for "
-              f"{steps} steps in another process, sending to port {server.port}...", flush=True)
-        host = "127.0.0.1" if server.host in ("", "0.0.0.0", "::") else server.host
-        status = _train_elsewhere(host, server.port, steps, use_torch, timeout)
-        if status != 0:
-            return status
-        print("\n>>> thing.summary()", flush=True)
-        repl.summary()
-        for name in ("model.hidden.weight", "activations"):
-            print(f"\n>>> thing.describe({name!r})", flush=True)
-            repl.describe(name)
-        print("\nNext: run `thing serve` here, call thing.catch(...) in your own training "
-              "script, then try thing.get('loss'), thing.ingest_all() and thing.help().")
-        return 0
-    finally:
-        if not was_serving:
-            server.close()
-
-
-def _train_elsewhere(host: str, port: int, steps: int, use_torch: bool, timeout: float) -> int:
-    """Run the training half in a fresh interpreter and wait for it (at most ``timeout`` s)."""
-    env = dict(os.environ, THING_SERVER=host, THING_PORT=str(port))
-    command = [sys.executable, "-m", "thing.demo", "--train", "--steps", str(steps)]
-    if not use_torch:
-        command.append("--numpy")
-    # "-m" puts the working directory first on sys.path: run where this very thing
-    # package lives, so a source checkout in the current directory cannot shadow it.
-    package_parent = Path(__file__).resolve().parent.parent
-    process = subprocess.Popen(command, env=env, cwd=package_parent)
-    try:
-        status = process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        print(f"thing demo: the training process did not finish within {timeout:.0f} s",
-              file=sys.stderr)
-        return 1
-    if status != 0:
-        print(f"thing demo: the training process failed (exit status {status})", file=sys.stderr)
-    return status
-
-
-# -- the training process -------------------------------------------------------------
+log = logging.getLogger("thing.demo")
 
 
 def _data(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -171,7 +115,7 @@ def train_torch(steps: int = STEPS, learning_rate: float = 0.2) -> Any:
 
 def _progress(step: int, steps: int, loss: float) -> None:
     if step % 20 == 0 or step == steps - 1:
-        print(f"  [training process] step {step:3d}  loss {loss:.4f}", flush=True)
+        log.info("step %3d  loss %.4f", step, loss)
 
 
 def train(steps: int = STEPS, use_torch: bool | None = None) -> int:
@@ -181,25 +125,24 @@ def train(steps: int = STEPS, use_torch: bool | None = None) -> int:
     handle = (train_torch if use_torch else train_numpy)(steps)
     # One connection delivers in order: once the last loss is stored, everything before it is.
     if handle is not None and not handle.wait(30):
-        print(f"  [training process] the server did not store the last capture: {handle.error}",
-              file=sys.stderr)
+        log.error("the server did not store the last capture: %s", handle.error)
         return 1
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m thing.demo",
-                                     description=__doc__.split("\n")[0].strip("`"))
-    parser.add_argument("--train", action="store_true",
-                        help="run only the training process (sends to THING_SERVER/THING_PORT)")
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=STEPS,
                         help="training steps (default %(default)s)")
     parser.add_argument("--numpy", action="store_true", help="use numpy even if torch is installed")
     args = parser.parse_args(argv)
-    use_torch = False if args.numpy else None
-    if args.train:
-        return train(args.steps, use_torch)
-    return run(args.steps, use_torch)
+    # The job's own entry point shows its own progress, as a training script would.
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("  [training process] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    return train(args.steps, use_torch=False if args.numpy else None)
 
 
 if __name__ == "__main__":

@@ -411,7 +411,8 @@ def show_summary(server: Any, max_items: int | None = 5) -> None:
         with_values = with_values or bool(value)
         rows.append([capture.name + _flag(capture), shape, dtype, framework, value, str(versions),
                      _ago(capture.received_at, now), _sender_text(capture)])
-    columns = ["name", "shape", "dtype", "framework", "value", "versions", "last arrival", "sender"]
+    # Short headers: the whole table fits an 80-column terminal or a narrow notebook cell.
+    columns = ["name", "shape", "dtype", "from", "value", "kept", "arrived", "sender"]
     if not with_values:
         columns.pop(4)
         for row in rows:
@@ -445,7 +446,8 @@ def show_summary(server: Any, max_items: int | None = 5) -> None:
         out.print(f"{where}: nothing received yet; in the training job call thing.catch(tensor)."
                   if not overview.received else f"{where}: no named captures kept.", caption)
         return
-    out.print(out.table(where, columns, rows, caption, no_wrap=(0, 1)))
+    # Only the name may wrap: the short columns stay readable in an 80-column terminal.
+    out.print(out.table(where, columns, rows, caption, no_wrap=tuple(range(1, len(columns)))))
 
 
 # -- describe --------------------------------------------------------------------------

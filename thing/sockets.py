@@ -67,8 +67,15 @@ def tune_stream(sock: socket.socket) -> None:
 
 def connect(host: str, port: int, timeout: float) -> socket.socket:
     """Open a tuned TCP connection to ``host:port`` within ``timeout`` seconds."""
-    sock = socket.create_connection((host, port), timeout=timeout)
+    return _connected(socket.create_connection((host, port), timeout=timeout), None, timeout)
+
+
+def _connected(sock: socket.socket, address: str | None, timeout: float) -> socket.socket:
+    """``sock``, connected to ``address`` if given, tuned and with kernel timeouts."""
     try:
+        if address is not None:
+            sock.settimeout(timeout)
+            sock.connect(address)
         tune_stream(sock)
         set_timeouts(sock, timeout, timeout)
     except BaseException:
@@ -133,16 +140,7 @@ def listen_unix(path: Path, backlog: int = 128) -> socket.socket:
 
 def connect_unix(path: Path, timeout: float) -> socket.socket:
     """Open a connection to the Unix socket ``path`` within ``timeout`` seconds."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        sock.connect(str(path))
-        tune_stream(sock)
-        set_timeouts(sock, timeout, timeout)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    return _connected(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), str(path), timeout)
 
 
 def peer_uid(sock: socket.socket) -> int | None:
