@@ -28,6 +28,12 @@ way in the same run.
   first call of a burst comes right after the thread blocked in that wait, and
   is shown apart, beside what this machine charges an empty call after a
   10 ms sleep.
+- snapshot at the call: ``thing.catch(x, name=..., copy=True)`` against
+  ``copy=False`` (queued by reference, read later by the sender thread) for
+  numpy arrays and torch tensors of 4 KiB, 64 KiB and 1 MiB, in the same
+  bursts, beside the bare copy (``np.array(x)`` / ``x.clone()``). By default
+  thing snapshots arrays up to ``THING_SNAPSHOT_BYTES`` (64 KiB): the table
+  shows what that costs next to what queueing costs anyway.
 - training loop: a small MLP trained with SGD on random data on the CPU, with
   ``thing.catch(loss)`` every step and ``thing.catch(model.fc1.weight,
   every=10)``, against the same loop without thing; with torch's default
@@ -107,6 +113,52 @@ def batch_enqueued_named(thing, x, calls: int, clock) -> tuple[int, int, object]
     for _ in range(calls):
         handle = thing.catch(x, name="named")
     return first, clock() - start, handle
+
+
+def batch_copy(thing, x, calls: int, clock, copy: bool) -> tuple[int, int, object]:
+    start = clock()
+    handle = thing.catch(x, name=f"copy={copy}", copy=copy)
+    first = clock() - start
+    start = clock()
+    for _ in range(calls):
+        handle = thing.catch(x, name=f"copy={copy}", copy=copy)
+    return first, clock() - start, handle
+
+
+def time_bare_copy(x, batches: int, calls: int) -> float:
+    """ns per copy of ``x`` the way thing snapshots it, without thing."""
+    copy = x.clone if hasattr(x, "clone") else lambda: x.copy(order="C")
+    timings = []
+    for _ in range(batches):
+        start = time.perf_counter_ns()
+        for _ in range(calls):
+            copy()
+        timings.append(time.perf_counter_ns() - start)
+    return median_ns(timings, calls)
+
+
+def snapshot_rows(thing, torch, server, bursts: int, burst: int) -> tuple[list, int]:
+    """Rows comparing a snapshot at the call with queueing by reference, per size."""
+    import functools
+
+    import numpy as np
+
+    rows, lost_total = [], 0
+    for framework in ("numpy", "torch"):
+        for nbytes in (4 * KiB, 64 * KiB, MiB):
+            x = (np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
+                 if framework == "numpy" else torch.randn(nbytes // 4))
+            costs = {}
+            for copy in (False, True):
+                _, timings, lost = time_enqueued(
+                    thing, functools.partial(batch_copy, copy=copy), x, bursts, burst, server)
+                lost_total += lost
+                costs[copy] = median_ns(timings, burst)
+            bare = time_bare_copy(x, bursts, burst)
+            default = "snapshot" if nbytes <= thing.config.snapshot_bytes() else "by reference"
+            rows.append((f"{framework} {nbytes // KiB:>5} KiB", costs[False], costs[True], bare,
+                         default))
+    return rows, lost_total
 
 
 def time_cold_empty(x, samples: int, pause: float) -> list[int]:
@@ -322,6 +374,19 @@ def main() -> int:
             print(f"  WARNING: {lost_total} enqueued captures were not stored (dropped or failed)")
         else:
             print("  Every enqueued capture was stored by the server (queue never full).")
+        print()
+
+        rows, lost = snapshot_rows(thing, torch, server, bursts, burst)
+        print("Snapshot at the call (copy=True) vs queued by reference (copy=False): ns per catch,")
+        print(f"median over {bursts} bursts of {burst}; the bare copy is timed alone, same run")
+        print(f"  {'':<16} {'by reference':>13} {'snapshot':>10} {'difference':>11} "
+              f"{'bare copy':>10} {'snapshot / ref':>15}  default")
+        for label, by_reference, snapshot, bare, default in rows:
+            print(f"  {label:<16} {by_reference:>13.0f} {snapshot:>10.0f} "
+                  f"{snapshot - by_reference:>+11.0f} {bare:>10.0f} "
+                  f"{snapshot / by_reference:>15.2f}  {default}")
+        if lost:
+            print(f"  WARNING: {lost} captures were not stored")
         print()
 
         threads = [torch.get_num_threads()]

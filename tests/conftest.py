@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 import thing
-import thing.client
-import thing.server
+import thing.channel
+import thing.receiver
 import thing.wire
 from thing._core import fallback
 
@@ -31,7 +31,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     with :func:`run_script` get ``THING_PUREPYTHON`` accordingly.
     """
     if request.param == "python":
-        for module in (thing.client, thing.server, thing.wire):
+        for module in (thing.channel, thing.receiver, thing.wire):
             for name in ("send_buffers", "recv_buffers"):
                 if hasattr(module, name):
                     monkeypatch.setattr(module, name, getattr(fallback, name))

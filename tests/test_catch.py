@@ -13,7 +13,7 @@ import thing
 from thing import wire
 from thing._core import recv_buffers, send_buffers
 
-from .conftest import run_script, start_script
+from .conftest import free_port, run_script, start_script
 
 
 def test_every_and_first_arithmetic(server: thing.Server) -> None:
@@ -66,7 +66,7 @@ def test_catch_never_raises_or_prints(server: thing.Server) -> None:
         """
         import sys, thing
         handle = thing.catch(object(), name="bad")
-        assert handle.wait(1) is False and "object" not in (handle.error or "x")
+        assert handle.wait(1) is False and "cannot send an object" in handle.error
         assert thing.catch({1: "non-str key"}, name="bad2").wait(1) is False
         assert thing.catch(1.5, name="good").wait(10) is True
         """,
@@ -182,9 +182,9 @@ def test_in_place_update_is_flagged_and_copy_is_not(server: thing.Server) -> Non
         """,
         server.port,
     )
-    assert server.capture("torn").modified_during_send is True
+    assert server.capture("torn").consistent is False
     snapshot = server.capture("snapshot")
-    assert snapshot.modified_during_send is False
+    assert snapshot.consistent is True
     assert bool((snapshot.value == 1).all())
 
 
@@ -253,3 +253,20 @@ def test_queue_bytes_bound(server: thing.Server) -> None:
     finally:
         client.close()
     assert json.dumps(server.store.names()) == '["small", "alone"]'
+
+
+def test_per_name_and_per_server_bookkeeping_is_bounded(monkeypatch) -> None:
+    monkeypatch.setenv("THING_MAX_NAMES", "100")
+    monkeypatch.setenv("THING_MAX_SERVERS", "3")
+    client = thing.Client("127.0.0.1", free_port())
+    try:
+        for i in range(1000):  # a job that makes up a new name every step
+            client.catch(i, name=f"step-{i}", every=10)
+        assert len(client._throttles) == 100
+        assert client.catch(0, name="step-999", every=10) is thing.client.SKIPPED  # still counted
+        servers = [f"127.0.0.1:{free_port()}" for _ in range(6)]
+        for server in servers:
+            client.catch(0, name="x", server=server)
+        assert len(client._channels) == 3 and list(client._channels) == servers[3:]
+    finally:
+        client.close()

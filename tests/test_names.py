@@ -7,6 +7,7 @@ tests depend on nothing else in the library.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import linecache
 import os
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -503,3 +505,32 @@ def test_never_raises(client, monkeypatch):
         return client.catch(loss)
 
     assert step(0.5) == fallback_name(step, 2)
+
+
+# Bounded bookkeeping ---------------------------------------------------------------------------
+
+
+def test_the_tracer_keeps_no_code_object_alive(client):
+    """A job that compiles code again and again (exec in a loop) must not pin it all."""
+    source = "def step(loss):\n    return client.catch(loss)\n"
+    filename = "<thing-test-unpinned>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    try:
+        namespace = {"client": client}
+        exec(compile(source, filename, "exec"), namespace)
+        assert namespace["step"](0.5) == "loss"
+        code = weakref.ref(namespace["step"].__code__)
+        del namespace
+        gc.collect()
+        assert code() is None
+    finally:
+        del linecache.cache[filename]
+
+
+def test_the_per_instruction_cache_is_bounded():
+    tracer = NameTracer(max_sites=50)
+    source = "catch(loss)\n"
+    for _ in range(200):  # 200 distinct code objects for one site
+        code = compile(source, "<thing-test-bounded>", "exec")
+        exec(code, {"catch": lambda value: tracer.name_for(sys._getframe(1)), "loss": 1})
+    assert len(tracer._by_instruction) <= 50

@@ -251,13 +251,12 @@ def test_summary_shows_each_name_and_the_counts(default: thing.Server, capsys) -
     assert "loss" in out and "lm.weight" not in out and "2 more names" in out
 
 
-def test_summary_marks_captures_modified_during_send(default: thing.Server, capsys) -> None:
+def test_summary_marks_inconsistent_captures(default: thing.Server, capsys) -> None:
     default.store.reserve(4)
-    default.store.add("torn", np.zeros(1, np.float32), (), 4, Sender("x:1"),
-                      modified_during_send=True)
+    default.store.add("torn", np.zeros(1, np.float32), (), 4, Sender("x:1"), consistent=False)
     thing.summary()
     out = capsys.readouterr().out
-    assert "torn !" in out and "changed while being sent" in out
+    assert "torn !" in out and "changed after catch()" in out
 
 
 def test_summary_of_an_empty_server(default: thing.Server, capsys) -> None:
@@ -306,7 +305,7 @@ def test_describe_a_tensor_with_nan_and_inf(default: thing.Server, capsys) -> No
     assert "L2 norm" in out and f"{np.linalg.norm(finite):.6g}" in out
     assert "2 kept; this is the newest" in out
     assert f"host {socket.gethostname()}, pid " in out
-    assert "call site" in out and "modified during send" in out
+    assert "call site" in out and "consistent" in out
 
 
 def test_describe_a_container_describes_each_array(default: thing.Server, capsys) -> None:

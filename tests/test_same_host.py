@@ -249,7 +249,7 @@ def test_stale_socket_of_a_killed_server_is_replaced(runtime_dir: Path) -> None:
 # -- a peer of another user --------------------------------------------------------------------
 
 AS_NOBODY = f"""
-import encodings.idna, json, os, sys, numpy as np, thing, thing.client, thing.sockets
+import encodings.idna, json, os, sys, numpy as np, thing, thing.channel, thing.sockets
 from pathlib import Path
 # Imports first (the interpreter lives where nobody may read), then become nobody for good.
 os.setgroups([])
@@ -302,7 +302,7 @@ def test_another_user_cannot_reach_the_socket_and_uses_tcp(server: thing.Server)
 def test_another_user_pointed_at_the_socket_falls_back_to_tcp(server: thing.Server) -> None:
     report = run_as_nobody(
         f"""
-        thing.client.unix_socket_path = lambda port: Path({str(server.unix_path)!r})
+        thing.channel.unix_socket_path = lambda port: Path({str(server.unix_path)!r})
         handle = thing.catch(np.arange(6), name="pointed")
         print(json.dumps({{"stored": handle.wait(10), "error": handle.error,
                           "transport": thing._default_client._channels[None].transport}}))
@@ -314,7 +314,7 @@ def test_another_user_pointed_at_the_socket_falls_back_to_tcp(server: thing.Serv
 
 
 NOBODY_THROUGH_AN_OPENED_DOOR = """
-thing.client.unix_socket_path = lambda port: Path({path!r})
+thing.channel.unix_socket_path = lambda port: Path({path!r})
 client = thing.Client("127.0.0.1", {port})
 handle = client.catch(np.arange(7), name="intruder")
 stored = handle.wait(10)
@@ -529,7 +529,7 @@ def assert_closed_by_server(sock: socket.socket) -> None:
         prefix = sock.recv(wire.ACK.size, socket.MSG_WAITALL)
         if prefix:
             status, length, seq, _ = wire.decode_ack(prefix)
-            assert (status, seq) == (wire.ACK_REJECTED, wire.SEQ_CURRENT_FRAME)
+            assert (status, seq) == (wire.ACK_REJECTED, wire.SEQ_OLDEST_UNANSWERED)
             assert len(sock.recv(length, socket.MSG_WAITALL)) == length
             assert sock.recv(1) == b""
     except ConnectionResetError:

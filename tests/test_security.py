@@ -494,7 +494,9 @@ def test_stalled_peers_are_dropped_while_another_client_streams() -> None:
         assert all(0.8 <= after <= 5 for after in dropped.values()), dropped
         assert max(latencies) < 1.0 and i >= 10, (max(latencies), i)
         assert "stalled" not in server.store.names()
-        assert [c.hostname for c in server.clients()] == [socket.gethostname()]
+        # A dropped peer is answered and hung up on at once; its slot goes within a second.
+        poll(lambda: [c.hostname for c in server.clients()] == [socket.gethostname()], 5,
+             "the dropped peers' slots")
         # The reservation of the half-received payload was given back: nothing is held
         # once the kept captures are cleared.
         server.store.clear()

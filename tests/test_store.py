@@ -177,12 +177,12 @@ def test_overview_lists_the_most_recently_updated_names_first() -> None:
     for name in ("a", "b", "c", "a"):
         put(store, name)
     put(store, None)
-    put(store, "b", modified_during_send=True)
+    put(store, "b", consistent=False)
     overview = store.overview(2)
     assert [(c.name, n) for c, n in overview.names] == [("b", 2), ("a", 2)]
     assert overview.name_count == 3
     assert overview.unnamed == 1
-    assert overview.modified_during_send == 1
+    assert overview.inconsistent == 1
     assert [c.name for c, _ in store.overview().names] == ["b", "a", "c"]
 
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from thing import wire
-from thing.arrays import CARRIER_DTYPES, catch_leaf, finish, leaf_bytes
+from thing.arrays import CARRIER_DTYPES, describe_leaf, finish, leaf_bytes
 from thing.buffers import ReceiveBuffers
 from thing.errors import HandshakeError, LimitExceeded, ProtocolError, UnsupportedType
 
@@ -32,7 +32,8 @@ def _send_and_receive(value: Any, limits: wire.Limits = LIMITS) -> Any:
     payload = wire.take_apart(value)
     header = wire.encode_header(7, "name", payload, {"caught_at": 1.5})
     prefix = wire.encode_prefix(header, payload.nbytes)
-    _, header_len, payload_len = wire.decode_prefix(prefix, limits)
+    _, header_len, payload_len = wire.decode_prefix(prefix)
+    wire.check_frame_size(header_len, payload_len, limits)
     assert (header_len, payload_len) == (len(header), payload.nbytes)
     decoded = wire.decode_header(header, payload_len, limits)
     assert decoded.seq == 7 and decoded.name == "name" and decoded.meta == {"caught_at": 1.5}
@@ -214,7 +215,8 @@ def test_take_apart_touches_no_array_data() -> None:
     payload = wire.take_apart({"a": array})
     assert payload.leaves[0].source is array  # a reference, not a copy
     assert payload.nbytes == array.nbytes
-    snapshot = wire.take_apart(array, copy=True)
+    snapshot = wire.take_apart(array)
+    snapshot.hold(copy=True, snapshot_bytes=0)
     array[:] = -1
     assert np.array_equal(leaf_bytes(snapshot.leaves[0]).view(np.float64), np.arange(10.0))
 
@@ -379,13 +381,14 @@ def test_leaf_count_and_depth_limits() -> None:
 def test_prefix_checks() -> None:
     small = wire.Limits(max_capture_bytes=1000, max_header_bytes=100)
     good = wire.encode_prefix(b"h" * 100, 900)
-    assert wire.decode_prefix(good, small) == (wire.KIND_CAPTURE, 100, 900)
+    assert wire.decode_prefix(good) == (wire.KIND_CAPTURE, 100, 900)
+    wire.check_frame_size(100, 900, small)
     with pytest.raises(LimitExceeded, match="header"):
-        wire.decode_prefix(wire.encode_prefix(b"h" * 101, 0), small)
+        wire.check_frame_size(101, 0, small)
     with pytest.raises(LimitExceeded, match="capture"):
-        wire.decode_prefix(wire.encode_prefix(b"h" * 100, 901), small)
+        wire.check_frame_size(100, 901, small)
     with pytest.raises(LimitExceeded):
-        wire.decode_prefix(wire.FRAME_PREFIX.pack(b"TF", 1, 10, 2**64 - 1), small)
+        wire.check_frame_size(10, 2**64 - 1, small)
     for bad in (
         wire.FRAME_PREFIX.pack(b"XX", wire.KIND_CAPTURE, 10, 10),
         wire.FRAME_PREFIX.pack(wire.FRAME_TAG, 3, 10, 10),
@@ -395,7 +398,7 @@ def test_prefix_checks() -> None:
         b"",
     ):
         with pytest.raises(ProtocolError):
-            wire.decode_prefix(bad, small)
+            wire.decode_prefix(bad)
 
 
 def test_trailer_checks() -> None:
@@ -448,11 +451,11 @@ def test_capture_too_large_for_the_limits() -> None:
         wire.decode_header(big, 1600, small)
 
 
-def test_catch_leaf_refuses_unsupported_dtypes() -> None:
+def test_describe_leaf_refuses_unsupported_dtypes() -> None:
     unsupported = [np.zeros(2, "U1"), np.zeros(2, "M8[s]"), np.zeros(2, [("a", "i4")]),
                    np.zeros(2, object)]
     if np.dtype(np.longdouble).itemsize > 8:  # where long double is not just float64
         unsupported.append(np.zeros(2, np.longdouble))
     for array in unsupported:
         with pytest.raises(UnsupportedType):
-            catch_leaf(array)
+            describe_leaf(array)

@@ -87,7 +87,7 @@ def catch(
     every: int = 1,
     first: int | None = None,
     *,
-    copy: bool = False,
+    copy: bool | None = None,
     block: bool = False,
 ) -> CaptureHandle:
     """Send ``obj`` to the thing server without disturbing the caller.
@@ -96,9 +96,13 @@ def catch(
     list/tuple/dict of them. ``name`` defaults to the argument's source text.
     ``server="host:port"`` overrides ``THING_SERVER``/``THING_PORT`` (default
     ``localhost:2875``). ``every=n`` sends every n-th call of a name;
-    ``first=n`` only its first n. ``copy=True`` snapshots the data now.
-    ``block=True`` waits for room instead of dropping when the queue is full.
-    Returns a handle whose ``wait()`` is True once the server stored it.
+    ``first=n`` only its first n. What arrives is the value at this call:
+    arrays up to ``THING_SNAPSHOT_BYTES`` (64 KiB) are copied now, larger ones
+    are read in place by the sender thread (a torch tensor changed in place
+    before that ends arrives marked ``consistent=False``); ``copy=True``
+    copies every array now, ``copy=False`` none. ``block=True`` waits for
+    room instead of dropping when the queue is full. Returns a handle whose
+    ``wait()`` is True once the server stored it; ``error`` says why not.
     """
     client = _default_client or _make_default_client()
     return client.catch(

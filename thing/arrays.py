@@ -7,8 +7,10 @@ array up front from a validated :class:`LeafSpec`, receives straight into it,
 and hands the user that same memory as the framework it was sent from.
 
 torch and jax are never imported here: an object can only be a torch tensor if
-its sender already imported torch, and the receiver imports them lazily, only
-when a capture of theirs arrives.
+its sender already imported torch, and the receiving side imports them lazily,
+on the REPL's thread, the first time the user asks for a capture of theirs.
+Connection threads only ever hold numpy arrays, so a slow or concurrent import
+can never stall or break a receive.
 """
 
 from __future__ import annotations
@@ -69,19 +71,20 @@ class LeafSpec(NamedTuple):
 class Leaf:
     """An array caught on the sending side: its spec and the object whose memory will be sent.
 
-    ``ready`` is a CUDA event the sender thread waits for before reading
-    ``source``; ``version`` is torch's in-place version counter when caught.
+    ``source`` starts as the caught object itself; :func:`hold` replaces it with
+    a snapshot where one is taken. ``ready`` is a CUDA event the sender thread
+    waits for before reading ``source``; ``version`` is torch's in-place
+    version counter at the call, for a tensor that is read in place later.
     """
 
     __slots__ = ("spec", "source", "nbytes", "ready", "version")
 
-    def __init__(self, spec: LeafSpec, source: Any, nbytes: int, ready: Any = None,
-                 version: int | None = None):
+    def __init__(self, spec: LeafSpec, source: Any, nbytes: int):
         self.spec = spec
         self.source = source
         self.nbytes = nbytes
-        self.ready = ready
-        self.version = version
+        self.ready: Any = None
+        self.version: int | None = None
 
 
 def is_array(obj: Any) -> bool:
@@ -96,33 +99,80 @@ def is_array(obj: Any) -> bool:
     )
 
 
-def catch_leaf(obj: Any, copy: bool = False) -> Leaf | None:
-    """Describe an array on the caller's thread: metadata and a reference, no data touched.
+def describe_leaf(obj: Any) -> Leaf | None:
+    """Describe an array on the caller's thread: its spec and a reference, no data touched.
 
     Returns None for objects that are not arrays (they travel in the header).
-    With ``copy=True`` the data is snapshotted now, so later in-place updates
-    cannot reach what is sent. CUDA tensors are always copied to host memory,
-    asynchronously on the current stream.
+    Nothing is copied yet: the caller first makes sure there is room in the
+    send queue, then calls :func:`hold`.
     """
     if type(obj) is np.ndarray:
-        return _numpy_leaf(obj, copy)
+        return _numpy_leaf(obj)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
-        return _torch_leaf(torch, obj, copy)
+        spec = LeafSpec("torch", _wire_name(obj.dtype), tuple(obj.shape))
+        return Leaf(spec, obj.detach(), obj.nbytes)
     if isinstance(obj, np.str_):  # travels as the str it is
         return None
     if isinstance(obj, (np.ndarray, np.generic)):
-        return _numpy_leaf(obj, copy)
+        return _numpy_leaf(obj)
     if isinstance(obj, (bytes, bytearray, memoryview)):
         view = memoryview(obj).cast("B")
-        spec = LeafSpec("bytes", "uint8", (view.nbytes,))
-        return Leaf(spec, bytes(view) if copy else view, view.nbytes)
+        return Leaf(LeafSpec("bytes", "uint8", (view.nbytes,)), view, view.nbytes)
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(obj, jax.Array):
-        leaf = _numpy_leaf(np.asarray(obj), copy)
-        leaf.spec = leaf.spec._replace(framework="jax")
-        return leaf
+        spec = LeafSpec("jax", _wire_name(np.dtype(obj.dtype)), tuple(obj.shape))
+        return Leaf(spec, obj, obj.nbytes)
     return None
+
+
+def hold(leaf: Leaf, copy: bool | None, snapshot_bytes: int) -> None:
+    """Make ``leaf`` keep the value it has now, whatever the caller does to it afterwards.
+
+    ``copy=None`` (the default) snapshots leaves of at most ``snapshot_bytes``
+    on this thread; ``True`` snapshots every leaf, ``False`` none. A leaf that
+    is not snapshotted is read in place by the sender thread: torch tensors
+    then carry their version counter, so a later in-place update is detected.
+    CUDA tensors are copied to pinned host memory on their own device's
+    stream, which is a snapshot by construction; jax arrays are immutable.
+    """
+    source, framework = leaf.source, leaf.spec.framework
+    snapshot = copy if copy is not None else leaf.nbytes <= snapshot_bytes
+    if framework == "numpy":
+        if snapshot and isinstance(source, np.ndarray):
+            leaf.source = np.array(source, order="C")
+    elif framework == "torch":
+        _hold_tensor(leaf, source, snapshot)
+    elif framework == "bytes":
+        if snapshot and not isinstance(source.obj, bytes):
+            leaf.source = memoryview(bytes(source))
+    elif not _on_cpu(source):  # jax: start the device-to-host copy now, read it later
+        source.copy_to_host_async()
+
+
+def _hold_tensor(leaf: Leaf, tensor: Any, snapshot: bool) -> None:
+    if tensor.is_cuda:
+        torch = sys.modules["torch"]
+        # The copy runs on the current stream of the tensor's own device, which need not
+        # be the current device: the event must be recorded on that same stream.
+        stream = torch.cuda.current_stream(tensor.device)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(tensor, non_blocking=True)
+            leaf.ready = torch.cuda.Event()
+            leaf.ready.record(stream)
+        leaf.source = host
+    elif snapshot:
+        leaf.source = tensor.clone(memory_format=sys.modules["torch"].contiguous_format)
+    else:
+        try:
+            leaf.version = tensor._version
+        except RuntimeError:  # an inference tensor keeps no version counter: unchecked
+            leaf.version = None
+
+
+def _on_cpu(array: Any) -> bool:
+    return all(device.platform == "cpu" for device in array.devices())
 
 
 # dtype object (numpy's or torch's) -> wire name; filled as dtypes are first seen,
@@ -140,25 +190,10 @@ def _wire_name(dtype: Any) -> str:
     return name
 
 
-def _numpy_leaf(array: np.ndarray | np.generic, copy: bool) -> Leaf:
+def _numpy_leaf(array: np.ndarray | np.generic) -> Leaf:
     scalar = isinstance(array, np.generic)
     spec = LeafSpec("numpy", _wire_name(array.dtype), array.shape, scalar)
-    return Leaf(spec, np.array(array) if copy or scalar else array, array.nbytes)
-
-
-def _torch_leaf(torch: Any, tensor: Any, copy: bool) -> Leaf:
-    spec = LeafSpec("torch", _wire_name(tensor.dtype), tuple(tensor.shape))
-    nbytes = tensor.nbytes
-    tensor = tensor.detach()
-    if tensor.is_cuda:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return Leaf(spec, host, nbytes, ready=ready)
-    if copy:
-        return Leaf(spec, tensor.clone(memory_format=torch.contiguous_format), nbytes)
-    return Leaf(spec, tensor, nbytes, version=tensor._version)
+    return Leaf(spec, array, array.nbytes)
 
 
 def leaf_bytes(leaf: Leaf) -> np.ndarray:
@@ -169,14 +204,17 @@ def leaf_bytes(leaf: Leaf) -> np.ndarray:
     if leaf.ready is not None:
         leaf.ready.synchronize()
     source = leaf.source
-    if leaf.spec.framework == "torch":
+    framework = leaf.spec.framework
+    if framework == "torch":
         source = source.resolve_conj().resolve_neg().contiguous()
         if source.device.type != "cpu":
             source = source.cpu()
         carrier = CARRIER_DTYPES[leaf.spec.dtype]
         source = source.view(_torch_dtype(_torch(), carrier.name)).numpy()
-    elif isinstance(source, memoryview):
+    elif framework == "bytes":
         return np.frombuffer(source, np.uint8)
+    elif framework == "jax":
+        source = np.asarray(source)
     array = np.ascontiguousarray(source)
     if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
         array = array.astype(array.dtype.newbyteorder("<"))
@@ -184,7 +222,11 @@ def leaf_bytes(leaf: Leaf) -> np.ndarray:
 
 
 def torn(leaf: Leaf) -> bool:
-    """True if a torch tensor was modified in place after it was caught (its bytes may be mixed)."""
+    """True if a torch tensor read in place was modified after it was caught.
+
+    The version counter only grows, so one look once the bytes are sent
+    covers the whole time from the call to the end of the send.
+    """
     return leaf.version is not None and leaf.source._version != leaf.version
 
 
@@ -254,9 +296,15 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def _optional(module: str) -> Any:
-    if module in sys.modules:
-        return sys.modules[module]
+    # Always through the import system, never a peek at sys.modules: a module another
+    # thread is still importing is in sys.modules half-initialised, and import waits for it.
+    if module in _missing:
+        return None
     try:
         return importlib.import_module(module)
     except ImportError:
+        _missing.add(module)
         return None
+
+
+_missing: set[str] = set()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import mmap
 import threading
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import numpy as np
 
@@ -32,6 +32,11 @@ class ReceiveBuffers:
         self._free: defaultdict[int, list[mmap.mmap]] = defaultdict(list)
         self._free_bytes = 0
         self._lock = threading.Lock()
+        # Where dying arrays drop their memory. A finalizer may run in the middle of any
+        # allocation, on any thread, even one inside this class holding the lock, so
+        # it must neither lock nor run Python code: deque.append is one atomic C call.
+        # The memory is filed into the free lists later, by the next caller.
+        self._returned: deque[mmap.mmap] = deque()
 
     def array(self, spec: LeafSpec) -> np.ndarray:
         """An uninitialised array of ``spec``'s carrier dtype and shape."""
@@ -40,6 +45,7 @@ class ReceiveBuffers:
         if nbytes < POOLED_FROM or self.max_bytes <= 0:
             return np.empty(spec.shape, dtype)
         with self._lock:
+            self._file_returned()
             spare = self._free.get(nbytes)
             memory = spare.pop() if spare else None
             if memory is not None:
@@ -50,14 +56,18 @@ class ReceiveBuffers:
                 memory.madvise(mmap.MADV_HUGEPAGE)
         flat = np.frombuffer(memory, dtype, nbytes // dtype.itemsize)
         # Every view (a reshape, a slice, a torch tensor) keeps ``flat`` alive: the memory
-        # goes back to the free list only when the last of them is gone.
-        weakref.finalize(flat, self._give_back, memory)
+        # comes back only when the last of them is gone.
+        weakref.finalize(flat, self._returned.append, memory)
         return flat.reshape(spec.shape)
 
-    def _give_back(self, memory: mmap.mmap) -> None:
-        # The dying array still holds its export of ``memory`` here, so it cannot be
-        # closed now; a mapping left out simply unmaps once its last reference goes.
-        with self._lock:
+    def _file_returned(self) -> None:
+        """Move returned memory to the free lists, up to the cap (the caller holds the lock)."""
+        while True:
+            try:
+                memory = self._returned.popleft()
+            except IndexError:
+                return
+            # A mapping left out unmaps once its last reference, this one, goes.
             if self._free_bytes + len(memory) <= self.max_bytes:
                 self._free[len(memory)].append(memory)
                 self._free_bytes += len(memory)
@@ -65,10 +75,13 @@ class ReceiveBuffers:
     def clear(self) -> None:
         """Return every spare buffer to the operating system."""
         with self._lock:
+            self._returned.clear()
             self._free.clear()
             self._free_bytes = 0
 
     @property
     def spare_bytes(self) -> int:
         """Bytes held for reuse, beyond those of stored captures."""
-        return self._free_bytes
+        with self._lock:
+            self._file_returned()
+            return self._free_bytes

@@ -61,6 +61,31 @@ def queue_max_items() -> int:
     return _env_int("THING_QUEUE_ITEMS", 1024)
 
 
+def snapshot_bytes() -> int:
+    """Arrays up to this size are copied at the call (``THING_SNAPSHOT_BYTES``, 64 KiB).
+
+    Measured (benchmarks/README.md): copying 64 KiB costs less than queueing a
+    capture, so the capture holds the value at the call for free; larger arrays
+    are read in place by the sender thread.
+    """
+    return _env_int("THING_SNAPSHOT_BYTES", 64 << 10)
+
+
+def max_names() -> int:
+    """Names whose ``every=``/``first=`` counts and call sites a client remembers
+    (``THING_MAX_NAMES``, 10,000); beyond it the oldest are forgotten (their counting
+    restarts)."""
+    return _env_int("THING_MAX_NAMES", 10_000)
+
+
+def max_servers() -> int:
+    """Distinct ``server=`` strings a client keeps connections for (``THING_MAX_SERVERS``, 64).
+
+    Beyond it the least recently opened connection is closed.
+    """
+    return _env_int("THING_MAX_SERVERS", 64)
+
+
 def flush_timeout() -> float:
     """Seconds the interpreter waits at exit for queued captures (``THING_FLUSH_TIMEOUT``, 5)."""
     return _env_float("THING_FLUSH_TIMEOUT", 5.0)
@@ -118,6 +143,15 @@ def max_header_bytes() -> int:
 def idle_timeout() -> float:
     """Seconds a peer may stall mid-frame or in the handshake (``THING_IDLE_TIMEOUT``, 60)."""
     return _env_float("THING_IDLE_TIMEOUT", 60.0)
+
+
+def min_frame_rate() -> float:
+    """Bytes per second a frame must average (``THING_MIN_RATE``, 1 MiB/s).
+
+    A frame of N bytes must be complete within ``THING_IDLE_TIMEOUT`` + N / rate
+    seconds of its first byte, or it is cut off and whatever it reserved released.
+    """
+    return max(_env_float("THING_MIN_RATE", float(1 << 20)), 1.0)
 
 
 def max_connections() -> int:

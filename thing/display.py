@@ -295,7 +295,7 @@ def _sender_text(capture: Capture) -> str:
 
 
 def _flag(capture: Capture) -> str:
-    return " !" if capture.modified_during_send else ""
+    return "" if capture.consistent else " !"
 
 
 # -- rendering, with rich or as plain text ----------------------------------------------
@@ -397,7 +397,8 @@ def show_summary(server: Any, max_items: int | None = 5) -> None:
     ``max_items=None`` shows every name. A row shows the name's newest
     capture: shape, dtype, framework, the value itself for a scalar, how many
     versions are kept, when it arrived and who sent it; ``!`` marks a capture
-    that changed while it was being sent. Below: counts of names not shown,
+    that is not consistent (changed after ``catch()`` before its send ended).
+    Below: counts of names not shown,
     unnamed, evicted and refused captures, and the bytes held against the cap.
     """
     out = _Output()
@@ -438,9 +439,14 @@ def show_summary(server: Any, max_items: int | None = 5) -> None:
         held += f", {overview.max_versions} versions per name"
     notes.append(held)
     caption = "; ".join(notes)
-    if overview.modified_during_send:
-        caption += (f"\n! {overview.modified_during_send} kept capture(s) changed while being sent "
-                    "(catch(..., copy=True) snapshots them)")
+    if overview.inconsistent:
+        caption += (f"\n! {overview.inconsistent} kept capture(s) changed after catch() before "
+                    "their send ended: a later value or a mix (catch(..., copy=True) snapshots)")
+    if overview.undelivered:
+        reasons = ", ".join(f"{count} {reason}"
+                            for reason, count in sorted(overview.undelivered.items()))
+        caption += (f"\nsenders report {sum(overview.undelivered.values())} caught but not "
+                    f"delivered: {reasons}")
     where = f"thing server at {server.host}:{server.port}"
     if not overview.names:
         out.print(f"{where}: nothing received yet; in the training job call thing.catch(tensor)."
@@ -482,9 +488,10 @@ def show_description(capture: Capture, server: Any = None) -> None:
     pairs.append(("call site", capture.call_site or "-"))
     if capture.name is not None and server is not None:
         pairs.append(("versions", _versions_text(server, capture)))
-    pairs.append(("modified during send",
-                  "yes: it changed while being sent, its bytes may mix old and new "
-                  "(catch(..., copy=True) avoids it)" if capture.modified_during_send else "no"))
+    pairs.append(("consistent",
+                  "yes: the value at the catch() call" if capture.consistent else
+                  "NO: it changed after catch() before its send ended, so it holds a later "
+                  "value or a mix of two (catch(..., copy=True) avoids it)"))
     scalar = _scalar_text(value)
     tables: list[Any] = []
     if scalar is not None:

@@ -18,7 +18,10 @@ class HandshakeError(ProtocolError):
 
 
 class LimitExceeded(ProtocolError):
-    """A frame asked for more than the receiver's limits allow; nothing was allocated."""
+    """A frame asked for more than the receiver's limits allow; nothing was allocated for it.
+
+    The frame is refused with this reason and read past; the connection stays up.
+    """
 
 
 class NotServing(ThingError, RuntimeError):

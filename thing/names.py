@@ -39,7 +39,8 @@ import logging
 import threading
 import tokenize
 import types
-from typing import NamedTuple, Optional
+import weakref
+from typing import Any, NamedTuple, Optional
 
 log = logging.getLogger("thing")
 
@@ -72,14 +73,19 @@ class CallSite(NamedTuple):
 class NameTracer:
     """Names captures after the source text of their first argument, once per call site."""
 
-    def __init__(self, keyword: str = "obj") -> None:
-        """``keyword`` is the argument that carries the captured object when not positional."""
+    def __init__(self, keyword: str = "obj", max_sites: int = 10_000) -> None:
+        """``keyword`` is the argument that carries the captured object when not positional.
+
+        ``max_sites`` bounds the per-instruction cache (code compiled again and
+        again, as by ``exec`` in a loop, would otherwise grow it forever).
+        """
         self.keyword = keyword
-        # (id(code), f_lasti) -> (name, CallSite). Keyed by id() rather than by the code
-        # object because hashing a code object hashes its constants (and every nested code
-        # object) on each call; _pinned keeps those code objects alive so no id is reused.
-        self._by_instruction: dict[tuple[int, int], tuple[str, CallSite]] = {}
-        self._pinned: dict[int, types.CodeType] = {}
+        self.max_sites = max_sites
+        # (id(code), f_lasti) -> (name, CallSite, weak reference to the code). Keyed by id()
+        # because hashing a code object hashes its constants (and every nested code
+        # object) on each call; the weak reference tells a reused id from the original
+        # without keeping any code object (or what it references) alive.
+        self._by_instruction: dict[tuple[int, int], tuple[str, CallSite, Any]] = {}
         # Everything below is touched only when a call site is seen for the first time.
         self._lock = threading.Lock()
         self._by_site: dict[tuple, str] = {}
@@ -89,6 +95,10 @@ class NameTracer:
         # fallback, which otherwise would parse a whole file for every call site in it.
         self._parsed: dict[str, tuple[list[str], str, Optional[ast.Module]]] = {}
 
+    def after_fork(self) -> None:
+        """In a forked child: another thread of the parent may have held the lock."""
+        self._lock = threading.Lock()
+
     def name_for(self, frame: types.FrameType) -> tuple[str, CallSite]:
         """Return the name and call site of the call that ``frame`` is executing.
 
@@ -96,10 +106,11 @@ class NameTracer:
         reads its source; every later one is a dictionary lookup. Never raises: a site whose
         name cannot be traced gets the ``<function>:<line>`` fallback.
         """
-        try:
-            return self._by_instruction[id(frame.f_code), frame.f_lasti]
-        except KeyError:
-            return self._resolve(frame)
+        code = frame.f_code
+        cached = self._by_instruction.get((id(code), frame.f_lasti))
+        if cached is not None and cached[2]() is code:
+            return cached[0], cached[1]
+        return self._resolve(frame)
 
     def _resolve(self, frame: types.FrameType) -> tuple[str, CallSite]:
         code = frame.f_code
@@ -117,10 +128,12 @@ class NameTracer:
             if name is None:
                 name = self._claim(base)
                 self._by_site[identity] = name
-            result = (name, site)
-            self._pinned[id(code)] = code
-            self._by_instruction[id(code), lasti] = result
-        return result
+            cache = self._by_instruction
+            cache.pop((id(code), lasti), None)  # a stale entry goes to the back
+            cache[id(code), lasti] = (name, site, weakref.ref(code))
+            while len(cache) > self.max_sites:
+                del cache[next(iter(cache))]
+        return name, site
 
     def _claim(self, base: str) -> str:
         """The first free name among ``base``, ``base_1``, ``base_2``...; called under the lock."""

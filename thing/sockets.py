@@ -11,6 +11,12 @@ import struct
 import tempfile
 from pathlib import Path
 
+# The sender thread must never be the first to take these: a fork (a DataLoader worker,
+# say) while it holds tempfile's once-lock or is half-way through importing the idna
+# codec that getaddrinfo's host names need leaves the child blocked or failing for good.
+tempfile.gettempdir()
+"localhost".encode("idna")
+
 
 def parse_address(text: str, default_port: int) -> tuple[str, int]:
     """Split ``host``, ``host:port``, ``:port`` or ``[v6]:port`` into ``(host, port)``."""
@@ -63,6 +69,12 @@ def tune_stream(sock: socket.socket) -> None:
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             with contextlib.suppress(OSError):  # capped by the system: still correct
                 sock.setsockopt(socket.SOL_SOCKET, option, 4 << 20)
+
+
+def shutdown(sock: socket.socket) -> None:
+    """Shut both directions of ``sock``, waking any thread blocked on it; never raises."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def connect(host: str, port: int, timeout: float) -> socket.socket:

@@ -16,13 +16,14 @@ import numbers
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
 from . import config
 from .arrays import LeafSpec
 from .errors import LimitExceeded
+from .wire import ReceivedValue, build_value
 
 # What one capture's record costs beyond its array bytes: the Capture object, its
 # Sender, its LeafSpecs and dictionary entries. Charged so that a flood of tiny
@@ -41,24 +42,54 @@ class Sender:
     world_size: int | None = None
 
 
-@dataclass
 class Capture:
-    """One received capture and everything known about it."""
+    """One received capture and everything known about it.
 
-    id: int
-    name: str | None
-    value: Any
-    leaves: tuple[LeafSpec, ...]
-    nbytes: int
-    sender: Sender
-    received_at: float = field(default_factory=time.time)
-    caught_at: float | None = None
-    call_site: str | None = None
-    modified_during_send: bool = False
+    ``consistent`` is False when the sender saw the data change between the
+    ``catch()`` call and the end of its send (a torch tensor updated in place
+    while it was read in place): the value may be a later one, or a mix of two.
+    ``value`` is built on first access (see :class:`thing.wire.ReceivedValue`).
+    """
+
+    __slots__ = ("id", "name", "_value", "leaves", "nbytes", "sender", "received_at",
+                 "caught_at", "call_site", "consistent")
+
+    def __init__(self, id: int, name: str | None, value: Any, leaves: tuple[LeafSpec, ...],
+                 nbytes: int, sender: Sender, received_at: float | None = None,
+                 caught_at: float | None = None, call_site: str | None = None,
+                 consistent: bool = True):
+        self.id = id
+        self.name = name
+        self._value = value
+        self.leaves = leaves
+        self.nbytes = nbytes
+        self.sender = sender
+        self.received_at = time.time() if received_at is None else received_at
+        self.caught_at = caught_at
+        self.call_site = call_site
+        self.consistent = consistent
+
+    @property
+    def value(self) -> Any:
+        """The captured object: arrays as the framework they were sent from, never copied."""
+        value = self._value
+        if isinstance(value, ReceivedValue):
+            with _building:  # two REPL threads asking at once get the same object
+                if self._value is value:
+                    self._value = value.build()
+                value = self._value
+        return value
 
     @property
     def rank(self) -> int | None:
         return self.sender.rank
+
+    def __repr__(self) -> str:
+        flag = "" if self.consistent else ", inconsistent"
+        return f"<Capture {self.id} {self.name!r} from {self.sender.address}{flag}>"
+
+
+_building = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -76,7 +107,8 @@ class StoreOverview:
     received: int  # stored since the store was created, including those evicted or cleared since
     evicted: int  # dropped to make room (or by max_versions), not by clear()
     rejected: int  # refused because they could never fit
-    modified_during_send: int  # kept captures whose sender saw them change while sending
+    inconsistent: int  # kept captures whose sender saw them change after the call
+    undelivered: dict[str, int]  # caught but never delivered, by reason, as senders reported
     held_bytes: int
     max_bytes: int
     max_versions: int | None
@@ -110,6 +142,9 @@ class HistoryStore:
         self._flagged = 0
         self.evicted = 0
         self.rejected = 0
+        # (hostname, pid) -> the sender's own count of captures it could not deliver, by
+        # reason, as it last reported them; bounded, the oldest sender forgotten first.
+        self._undelivered: OrderedDict[tuple[str, int], dict[str, int]] = OrderedDict()
 
     # -- receiving ---------------------------------------------------------------
 
@@ -133,6 +168,15 @@ class HistoryStore:
             self._held += nbytes
             self._reserved += nbytes
 
+    def note_undelivered(self, sender: Sender, counts: dict[str, int]) -> None:
+        """Record what a sender reports it caught but could not deliver (cumulative counts)."""
+        key = (sender.hostname, sender.pid)
+        with self._changed:
+            self._undelivered.pop(key, None)
+            self._undelivered[key] = counts
+            while len(self._undelivered) > 1000:
+                self._undelivered.popitem(last=False)
+
     def release(self, nbytes: int) -> None:
         """Give back a reservation whose capture never arrived."""
         with self._changed:
@@ -142,7 +186,12 @@ class HistoryStore:
     def add(self, name: str | None, value: Any, leaves: tuple[LeafSpec, ...], nbytes: int,
             sender: Sender, **details: Any) -> Capture:
         """Store a received capture whose ``nbytes`` were reserved; return it with its new id."""
-        extra = RECORD_BYTES + _header_bytes(value)  # outside the lock: it walks the value
+        # Outside the lock: it walks the value. A received one is walked as its header
+        # described it, arrays standing in as empty bytes (their bytes were reserved).
+        if isinstance(value, ReceivedValue):
+            extra = RECORD_BYTES + _header_bytes(build_value(value.tree, [b""] * len(leaves)))
+        else:
+            extra = RECORD_BYTES + _header_bytes(value)
         with self._changed:
             if nbytes + extra > self.max_bytes:
                 # Values that came in the header were not reserved; alone they may not fit.
@@ -157,7 +206,7 @@ class HistoryStore:
             self._held += extra
             self._charged[capture.id] = nbytes + extra
             self._by_id[capture.id] = capture
-            if capture.modified_during_send:
+            if not capture.consistent:
                 self._flagged += 1
             if name is None:
                 self._unnamed += 1
@@ -181,7 +230,7 @@ class HistoryStore:
         """Forget one capture (the caller holds the lock and counts it as evicted or cleared)."""
         del self._by_id[capture.id]
         self._held -= self._charged.pop(capture.id)
-        if capture.modified_during_send:
+        if not capture.consistent:
             self._flagged -= 1
         if capture.name is None:
             self._unnamed -= 1
@@ -279,9 +328,16 @@ class HistoryStore:
                 names=names, name_count=len(self._by_name), captures=len(self._by_id),
                 unnamed=self._unnamed,
                 received=self._next_id, evicted=self.evicted, rejected=self.rejected,
-                modified_during_send=self._flagged, held_bytes=self._held,
-                max_bytes=self.max_bytes, max_versions=self.max_versions,
+                inconsistent=self._flagged, undelivered=self._undelivered_total(),
+                held_bytes=self._held, max_bytes=self.max_bytes, max_versions=self.max_versions,
             )
+
+    def _undelivered_total(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for counts in self._undelivered.values():
+            for reason, count in counts.items():
+                total[reason] = total.get(reason, 0) + count
+        return total
 
     @property
     def received(self) -> int:

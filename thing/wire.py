@@ -16,7 +16,7 @@ from typing import Any
 
 from . import config
 from ._core import recv_buffers
-from .arrays import CARRIER_DTYPES, FRAMEWORKS, Leaf, LeafSpec, catch_leaf
+from .arrays import CARRIER_DTYPES, FRAMEWORKS, Leaf, LeafSpec, describe_leaf, finish, hold
 from .errors import HandshakeError, LimitExceeded, ProtocolError, UnsupportedType
 
 MAGIC = b"THNG"
@@ -45,8 +45,9 @@ ACK = struct.Struct("<2sHIQq")
 ACK_TAG = b"TA"
 ACK_STORED = 0
 ACK_REJECTED = 1
-# The seq of a rejection for a frame whose header could not be read: the oldest unanswered one.
-SEQ_CURRENT_FRAME = (1 << 64) - 1
+# The seq of a rejection for a frame whose header was not read. Every frame gets exactly
+# one ack, in frame order, so this always answers the oldest frame not yet answered.
+SEQ_OLDEST_UNANSWERED = (1 << 64) - 1
 
 _NDIM_MAX = 64
 _DIM_MAX = 1 << 62
@@ -118,31 +119,36 @@ class Payload:
         self.leaves = leaves
         self.nbytes = nbytes
 
+    def hold(self, copy: bool | None, snapshot_bytes: int) -> None:
+        """Snapshot the leaves that must be (see :func:`thing.arrays.hold`)."""
+        for leaf in self.leaves:
+            hold(leaf, copy, snapshot_bytes)
+
 
 _SINGLE_LEAF = {"leaf": 0}
 
 
-def take_apart(value: Any, copy: bool = False, max_depth: int = 64) -> Payload:
+def take_apart(value: Any, max_depth: int = 64) -> Payload:
     """Split ``value`` into a JSON tree and its array leaves, touching no array data.
 
     Raises :class:`UnsupportedType` for anything that cannot travel.
     """
-    leaf = catch_leaf(value, copy)
+    leaf = describe_leaf(value)
     if leaf is not None:  # the common case, kept short: catch() runs in training loops
         return Payload(_SINGLE_LEAF, [leaf], leaf.nbytes)
     leaves: list[Leaf] = []
-    tree = _walk(value, leaves, copy, max_depth)
+    tree = _walk(value, leaves, max_depth)
     return Payload(tree, leaves, sum(leaf.nbytes for leaf in leaves))
 
 
-def _walk(obj: Any, leaves: list[Leaf], copy: bool, depth: int) -> Any:
+def _walk(obj: Any, leaves: list[Leaf], depth: int) -> Any:
     if depth < 0:
         raise UnsupportedType("containers nested too deeply")
     if type(obj) is float and obj != obj:  # JSON would spell every NaN alike
         return {"nan": struct.pack("<d", obj).hex()}
     if obj is None or type(obj) in (bool, int, float, str):
         return obj
-    leaf = catch_leaf(obj, copy)
+    leaf = describe_leaf(obj)
     if leaf is not None:
         leaves.append(leaf)
         return {"leaf": len(leaves) - 1}
@@ -151,13 +157,13 @@ def _walk(obj: Any, leaves: list[Leaf], copy: bool, depth: int) -> Any:
             return plain(obj)
     if isinstance(obj, (list, tuple)):
         tag = "list" if isinstance(obj, list) else "tuple"
-        return {tag: [_walk(item, leaves, copy, depth - 1) for item in obj]}
+        return {tag: [_walk(item, leaves, depth - 1) for item in obj]}
     if isinstance(obj, dict):
         items = []
         for key, item in obj.items():
             if not isinstance(key, str):
                 raise UnsupportedType(f"dict keys must be str, not {type(key).__qualname__}")
-            items.append([key, _walk(item, leaves, copy, depth - 1)])
+            items.append([key, _walk(item, leaves, depth - 1)])
         return {"dict": items}
     raise UnsupportedType(f"cannot send an object of type {type(obj).__qualname__}")
 
@@ -198,18 +204,26 @@ class FrameHeader:
     meta: dict[str, Any]
 
 
-def decode_prefix(prefix: bytes, limits: Limits) -> tuple[int, int, int]:
-    """Check a frame prefix; return ``(kind, header_length, payload_length)``."""
+def decode_prefix(prefix: bytes) -> tuple[int, int, int]:
+    """Check a frame prefix's tag and kind; return ``(kind, header_length, payload_length)``.
+
+    The lengths are checked against the limits separately, by :func:`check_frame_size`:
+    a frame that is merely too large can be read past, one with a bad prefix cannot.
+    """
     tag, kind, header_len, payload_len = _unpack(FRAME_PREFIX, prefix, "frame prefix")
     if tag != FRAME_TAG or kind not in (KIND_CAPTURE, KIND_SHARED_MEMORY):
         raise ProtocolError(f"bad frame prefix {prefix!r}")
+    return kind, header_len, payload_len
+
+
+def check_frame_size(header_len: int, payload_len: int, limits: Limits) -> None:
+    """Raise :class:`LimitExceeded` if a frame's declared sizes exceed ``limits``."""
     if header_len > limits.max_header_bytes:
         raise LimitExceeded(f"header of {header_len} bytes exceeds {limits.max_header_bytes}")
     if header_len + payload_len > limits.max_capture_bytes:
         raise LimitExceeded(
             f"capture of {header_len + payload_len} bytes exceeds {limits.max_capture_bytes}"
         )
-    return kind, header_len, payload_len
 
 
 def decode_trailer(trailer: bytes) -> bool:
@@ -310,6 +324,26 @@ def _check_tree(node: Any, used: list[bool], depth: int) -> None:
         raise ProtocolError(f"unknown value node {tag!r}")
 
 
+class ReceivedValue:
+    """A capture as the connection thread received it: the validated tree and numpy arrays.
+
+    The object the user sees (torch tensors, jax arrays, nested containers) is
+    built by :meth:`build` when the REPL first asks for it, on the REPL's
+    thread, so no connection thread ever imports a framework.
+    """
+
+    __slots__ = ("tree", "specs", "arrays")
+
+    def __init__(self, tree: Any, specs: tuple[LeafSpec, ...], arrays: list[Any]):
+        self.tree = tree
+        self.specs = specs
+        self.arrays = arrays
+
+    def build(self) -> Any:
+        """The sent object, sharing the received arrays' memory."""
+        return build_value(self.tree, [finish(s, a) for s, a in zip(self.specs, self.arrays)])
+
+
 def build_value(tree: Any, leaves: list[Any]) -> Any:
     """Rebuild the sent object from a validated tree and its received leaves."""
     if not isinstance(tree, dict):
@@ -339,6 +373,17 @@ def decode_ack(prefix: bytes) -> tuple[int, int, int, int]:
     if tag != ACK_TAG or status not in (ACK_STORED, ACK_REJECTED) or length > MAX_HANDSHAKE_JSON:
         raise ProtocolError(f"bad acknowledgement {prefix!r}")
     return status, length, seq, capture_id
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on shown escaped.
+
+    Names, hostnames, call sites and refusal messages are chosen by peers and
+    end up in a terminal: no escape sequences, no unpaired surrogates.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def _nan_of(text: str) -> float:

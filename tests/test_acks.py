@@ -1,0 +1,240 @@
+"""Acknowledgements are the truth: every capture gets exactly one outcome, and its own.
+
+Stored (with its id), refused (with its own reason), or not delivered: never
+"lost" for a capture the server kept, never a refusal pinned on the wrong
+capture, never a handle left pending.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+
+import numpy as np
+
+import thing
+from thing import wire
+from thing.sockets import connect
+
+from .conftest import expect_line, poll, run_script, start_script
+from .test_catch import _StalledServer
+from .test_security import frame_bytes
+
+
+def test_stored_and_oversized_captures_each_get_their_own_outcome(processes) -> None:
+    limits = wire.Limits(max_capture_bytes=1 << 20, max_header_bytes=4 << 10)
+    with thing.Server(port=0, limits=limits) as server:
+        out = run_script(
+            """
+            import json, numpy as np, thing
+            small, big = np.arange(1000, dtype=np.int32), np.zeros(2 << 20, np.uint8)
+            handles = []
+            for i in range(30):
+                if i % 3 == 1:
+                    handles.append(thing.catch(big, name=f"big-{i}", block=True))
+                elif i % 3 == 2:
+                    handles.append(thing.catch(small, name="h" * 8000, block=True))  # header
+                else:
+                    handles.append(thing.catch(small + i, name=f"small-{i}", block=True))
+            for h in handles:
+                h.wait(30)
+            print(json.dumps([[h.id, h.error] for h in handles]))
+            """,
+            server.port,
+        )
+        outcomes = json.loads(out)
+        for i, (capture_id, error) in enumerate(outcomes):
+            if i % 3 == 0:
+                assert error is None and server.capture(capture_id).name == f"small-{i}"
+                assert server.get(capture_id).tolist() == (np.arange(1000) + i).tolist()
+            elif i % 3 == 1:
+                assert capture_id is None and "refused" in error and "capture of" in error, error
+            else:
+                assert capture_id is None and "header of" in error, error
+        # One connection served them all: refusals did not drop it.
+        assert len({capture.sender.address for capture in server.store.get_all("small-0")
+                    + server.store.get_all("small-27")}) == 1
+        assert server.received == 10 and server.dropped_transfers == 20
+
+
+def test_a_malformed_frame_closes_only_after_the_acks_of_stored_ones() -> None:
+    with thing.Server(port=0) as server, connect("127.0.0.1", server.port, 10) as peer:
+        peer.sendall(wire.encode_handshake({"hostname": "raw", "pid": 1}))
+        status, _ = wire.recv_handshake(peer)
+        assert status == wire.HANDSHAKE_OK
+        frames = b"".join(frame_bytes(np.arange(i + 1), f"good-{i}", seq=i) for i in range(5))
+        peer.sendall(frames + b"XX" + bytes(14))  # then a prefix that is no prefix
+        reply = b""
+        while chunk := peer.recv(65536):
+            reply += chunk
+    acks = []
+    while reply:
+        status, length, seq, capture_id = wire.decode_ack(reply[: wire.ACK.size])
+        acks.append((status, seq, reply[wire.ACK.size : wire.ACK.size + length]))
+        reply = reply[wire.ACK.size + length :]
+    assert [(status, seq) for status, seq, _ in acks[:5]] == [(wire.ACK_STORED, i)
+                                                                 for i in range(5)]
+    assert len(acks) == 6 and acks[5][0] == wire.ACK_REJECTED and b"prefix" in acks[5][2]
+    assert len(server.store) == 5
+
+
+def test_a_server_closing_mid_stream_acknowledges_all_it_kept(processes) -> None:
+    server = thing.Server(port=0).start()
+    sender = start_script(
+        """
+        import json, sys, numpy as np, thing
+        client = thing.Client("127.0.0.1", PORT)
+        handles = [client.catch(np.full(64, i), name="n", block=True) for i in range(500)]
+        print("caught", flush=True)
+        sys.stdin.readline()
+        client.flush(5)  # the server goes away meanwhile
+        handles += [client.catch(np.full(64, i), name="n", block=True) for i in range(500, 4000)]
+        for h in handles:
+            assert h.wait(30) or h.done, "a handle never resolved"
+        print(json.dumps([h.id for h in handles]))
+        """.replace("PORT", str(server.port)),
+        stdin=True,
+    )
+    processes.append(sender)
+    expect_line(sender, "caught")
+    poll(lambda: server.store.received >= 500, what="the first captures")
+    sender.stdin.write("go\n")
+    sender.stdin.flush()
+    poll(lambda: server.store.received >= 1000, what="more captures to stream")
+    server.close()  # mid-stream
+    kept = {capture.id for capture in server.store.get_all("n")}
+    out, err = sender.communicate(timeout=60)
+    assert sender.returncode == 0, err
+    acknowledged = {capture_id for capture_id in json.loads(out) if capture_id is not None}
+    assert acknowledged == kept  # stored and told so; nothing kept was reported lost
+
+
+def test_a_killed_server_leaves_no_handle_pending(processes) -> None:
+    repl = start_script(
+        """
+        import thing
+        server = thing.Server(port=0).start()
+        print(server.port, flush=True)
+        import time
+        time.sleep(600)
+        """
+    )
+    processes.append(repl)
+    port = int(repl.stdout.readline())
+    sender = start_script(
+        """
+        import sys, numpy as np, thing
+        client = thing.Client("127.0.0.1", PORT)
+        first = client.catch(np.zeros(4), name="warm-up")
+        assert first.wait(30)
+        print("connected", flush=True)
+        handles = [client.catch(np.full(4096, i), name="n", block=True) for i in range(3000)]
+        for h in handles:
+            h.wait(30)
+        assert all(h.done for h in handles)
+        stored = sum(h.id is not None for h in handles)
+        told = {h.error.split(":")[0] for h in handles if h.id is None}
+        print(stored, sorted(told), flush=True)
+        """.replace("PORT", str(port))
+    )
+    processes.append(sender)
+    expect_line(sender, "connected")
+    repl.send_signal(signal.SIGKILL)
+    out, err = sender.communicate(timeout=90)
+    assert sender.returncode == 0, err
+    stored, *_ = out.split(maxsplit=1)
+    assert int(stored) < 3000  # the kill landed mid-stream
+
+
+def test_close_resolves_every_queued_and_in_flight_handle() -> None:
+    stalled = _StalledServer()
+    client = thing.Client("127.0.0.1", stalled.port, max_queue_items=50)
+    try:
+        big = np.ones(8 << 20, dtype=np.uint8)
+        handles = [client.catch(big, name="big")]
+        poll(client.connected, what="the connection")
+        handles += [client.catch(np.full(10, i), name="small") for i in range(49)]
+        assert not any(h.done for h in handles[:2])
+        client.close()  # timeout=0: nothing is flushed
+        waiter = threading.Thread(target=lambda: [h.wait() for h in handles])
+        waiter.start()
+        waiter.join(10)
+        assert not waiter.is_alive(), "wait() without a timeout hung after close()"
+        assert all(h.done and h.id is None for h in handles)
+        assert all("closed" in h.error for h in handles), {h.error for h in handles}
+        assert client.catch(1, name="after").error == "not sent: the client is closed"
+    finally:
+        stalled.close()
+
+
+def test_the_sender_thread_survives_an_unexpected_error(server: thing.Server,
+                                                         monkeypatch) -> None:
+    calls = {"n": 0}
+    original = wire.encode_trailer
+
+    def broken_once(modified: bool) -> bytes:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug in the sender")
+        return original(modified)
+
+    monkeypatch.setattr(wire, "encode_trailer", broken_once)
+    client = thing.Client("127.0.0.1", server.port)
+    try:
+        first = client.catch(np.zeros(3), name="first")
+        assert first.wait(10) is False and first.done
+        later = [client.catch(np.full(3, i), name="later") for i in range(20)]
+        assert all(h.wait(10) for h in later)
+        assert [int(v[0]) for v in server.get_all("later")] == list(range(20))
+    finally:
+        client.close()
+
+
+def test_senders_report_what_they_could_not_deliver() -> None:
+    """Captures dropped while no server listened show up in the REPL once one does."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = thing.Client("127.0.0.1", port)
+    try:
+        lost = [client.catch(np.zeros(2), name="early") for _ in range(5)]
+        poll(lambda: all(h.done for h in lost), what="the early captures to fail")
+        assert client.undelivered == {"no server": 5}
+        with thing.Server(port=port) as server:
+            poll(lambda: client.catch(1.0, name="later").wait(2), what="the late server")
+            assert client.catch(2.0, name="last").wait(10)
+            reported = server.store.overview().undelivered
+            assert reported == client.undelivered and reported["no server"] >= 5
+    finally:
+        client.close()
+
+
+def test_a_frame_trickled_slower_than_the_minimum_rate_is_cut_off() -> None:
+    server = thing.Server(port=0)
+    server.idle_timeout, server.min_rate = 1.0, 1 << 20
+    server.start()
+    try:
+        with connect("127.0.0.1", server.port, 10) as peer:
+            peer.sendall(wire.encode_handshake({"hostname": "slow", "pid": 1}))
+            assert wire.recv_handshake(peer)[0] == wire.HANDSHAKE_OK
+            frame = frame_bytes(np.zeros(1 << 18, np.uint8), "slow", seq=0)  # 256 KiB
+            peer.sendall(frame[:1000])
+            poll(lambda: server.store.held_bytes >= 1 << 18, what="the reservation")
+            answer = b""
+            try:
+                for _ in range(100):  # a byte every 50 ms: far below 1 MiB/s
+                    if not server.clients():
+                        break
+                    peer.sendall(b"\0")
+                    threading.Event().wait(0.05)
+                answer = peer.recv(4096)
+            except OSError:
+                pass
+        poll(lambda: not server.clients(), what="the slow peer to be cut off")
+        assert server.store.held_bytes == 0 and len(server.store) == 0
+        if answer:
+            assert wire.decode_ack(answer[: wire.ACK.size])[0] == wire.ACK_REJECTED
+    finally:
+        server.close()

@@ -1,0 +1,87 @@
+"""The receive-buffer pool: memory of evicted captures comes back warm, and never deadlocks."""
+
+from __future__ import annotations
+
+import threading
+
+from thing.arrays import LeafSpec
+from thing.buffers import POOLED_FROM, ReceiveBuffers
+
+from .conftest import run_script
+
+
+def spec(nbytes: int) -> LeafSpec:
+    return LeafSpec("numpy", "uint8", (nbytes,))
+
+
+def test_freed_memory_is_reused_up_to_the_cap() -> None:
+    pool = ReceiveBuffers(3 * POOLED_FROM)
+    first = pool.array(spec(POOLED_FROM))
+    address = first.__array_interface__["data"][0]
+    del first
+    assert pool.spare_bytes == POOLED_FROM
+    again = pool.array(spec(POOLED_FROM))
+    assert again.__array_interface__["data"][0] == address  # the same, warm memory
+    assert pool.spare_bytes == 0
+    arrays = [pool.array(spec(2 * POOLED_FROM)) for _ in range(3)]
+    del arrays
+    assert pool.spare_bytes <= 3 * POOLED_FROM  # the rest went back to the system
+    assert pool.array(spec(100)).base is None  # small arrays come from malloc, not the pool
+
+
+def test_an_array_dying_while_the_pool_is_busy_gives_its_memory_back() -> None:
+    """What a garbage-collection pass inside the pool does: a pooled array dies on a
+    thread that holds the pool's lock (the old pool re-entered its lock and hung)."""
+    pool = ReceiveBuffers(64 << 20)
+    array = pool.array(spec(POOLED_FROM))
+    finished = threading.Event()
+
+    def die_inside() -> None:
+        nonlocal array
+        with pool._lock:
+            del array  # the finalizer runs here, as it would in a collection here
+        finished.set()
+
+    thread = threading.Thread(target=die_inside, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert finished.is_set(), "the pool deadlocked"
+    assert pool.spare_bytes == POOLED_FROM
+
+
+def test_garbage_collection_inside_the_pool_cannot_deadlock() -> None:
+    """Arrays held in reference cycles are freed by the collector at any allocation,
+    including the pool's own, on any thread: their memory must come back without a lock."""
+    run_script(
+        """
+        import gc, threading
+        from thing.arrays import LeafSpec
+        from thing.buffers import ReceiveBuffers
+
+        pool = ReceiveBuffers(8 << 30)  # mapped, never touched: address space, not memory
+        gc.set_threshold(1, 1, 1)  # collect at nearly every allocation
+
+        class Cycle:
+            pass
+
+        def churn(seed):
+            for i in range(1500):
+                size = (1 << 20) + 4096 * (seed * 10_000 + i)  # a new size: new bookkeeping
+                holder = Cycle()
+                holder.me, holder.array = holder, pool.array(LeafSpec("numpy", "uint8", (size,)))
+                del holder  # only the collector frees it, whenever it next runs
+                if i % 100 == 0:
+                    pool.spare_bytes
+
+        threads = [threading.Thread(target=churn, args=(seed,), daemon=True)
+                   for seed in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads), "the pool deadlocked"
+        gc.collect()
+        assert pool.spare_bytes <= 8 << 30
+        """,
+        timeout=90,
+    )

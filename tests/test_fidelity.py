@@ -1,0 +1,240 @@
+"""What you catch is what you get: the value at the call, or a capture marked as not.
+
+Each training loop runs in its own process against a server in this one, as
+users run them; the loop records what the value was at each call (a copy it
+makes itself) and every received capture is compared with it bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import numpy as np
+import pytest
+
+import thing
+
+from .conftest import run_script, start_script
+
+
+def test_a_small_array_changed_in_place_arrives_as_it_was_at_each_call(
+        server: thing.Server) -> None:
+    run_script(
+        """
+        import numpy as np, thing
+        a = np.zeros(1024, np.float32)  # 4 KiB
+        handles = []
+        for i in range(300):
+            a[:] = i
+            handles.append(thing.catch(a, name="a", block=True))
+            a += 0.5  # straight after the call, before any sender could have read it
+        assert all(h.wait(30) for h in handles), [h for h in handles if h.id is None][:3]
+        """,
+        server.port,
+    )
+    received = server.get_all("a")
+    assert len(received) == 300
+    for i, value in enumerate(received):
+        assert value.tobytes() == np.full(1024, i, np.float32).tobytes(), f"capture {i}"
+    assert all(capture.consistent for capture in server.store.get_all("a"))
+
+
+def test_weights_caught_after_every_optimizer_step_are_the_weights_of_that_step(
+        server: thing.Server, tmp_path) -> None:
+    """An nn.Linear + SGD loop, and the README's own loop (every=10), against clones."""
+    out = run_script(
+        """
+        import json, torch, thing
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(64, 64)  # a 16 KiB weight
+        lm_head = torch.nn.Linear(32, 128)
+        optimizer = torch.optim.SGD([*layer.parameters(), *lm_head.parameters()], lr=0.1)
+        clones, readme, handles = [], {}, []
+        for step in range(200):
+            x = torch.randn(8, 64)
+            loss = lm_head(layer(x)[:, :32]).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            handles.append(thing.catch(layer.weight, name="weight", block=True))
+            clones.append(layer.weight.detach().clone())
+            handle = thing.catch(lm_head.weight, name="lm_head_weight", every=10, block=True)
+            if handle.name is not None:  # not skipped by every=
+                readme[step] = lm_head.weight.detach().clone()
+                handles.append(handle)
+        assert all(h.wait(30) for h in handles)
+        torch.save({"clones": clones, "readme": readme}, CLONES)
+        print(json.dumps(sorted(readme)))
+        """.replace("CLONES", repr(str(tmp_path / "clones.pt"))),
+        server.port,
+    )
+    import torch
+
+    saved = torch.load(tmp_path / "clones.pt")
+    weights = server.get_all("weight")
+    assert len(weights) == 200
+    for step, (got, expected) in enumerate(zip(weights, saved["clones"])):
+        assert torch.equal(got, expected), f"step {step} arrived with another step's weight"
+    steps = json.loads(out)
+    assert steps == list(range(0, 200, 10))
+    readme = server.get_all("lm_head_weight")
+    assert [torch.equal(got, saved["readme"][step]) for got, step in zip(readme, steps)] \
+        == [True] * len(steps)
+
+
+def test_a_large_tensor_changed_after_catch_is_exact_or_marked(server: thing.Server) -> None:
+    out = run_script(
+        """
+        import json, torch, thing
+        big = torch.zeros(8 << 20)  # 32 MiB: read in place by the sender
+        handles = []
+        for i in range(6):
+            big.fill_(i)
+            handles.append(thing.catch(big, name="big", block=True))
+            big.add_(100)  # right after the call
+        snapshots = []
+        for i in range(3):
+            big.fill_(1000 + i)
+            snapshots.append(thing.catch(big, name="snapshot", copy=True, block=True))
+            big.add_(100)
+        assert all(h.wait(60) for h in handles + snapshots), [h.error for h in handles + snapshots]
+        print(json.dumps([h.id for h in handles]))
+        """,
+        server.port,
+        timeout=120,
+    )
+    ids = json.loads(out)
+    marked = 0
+    for i, capture_id in enumerate(ids):
+        capture = server.capture(capture_id)
+        exact = bool((capture.value == i).all())
+        assert exact or capture.consistent is False, f"capture {i}: a later value, unmarked"
+        marked += not capture.consistent
+    for i, value in enumerate(server.get_all("snapshot")):
+        assert bool((value == 1000 + i).all())
+    assert all(c.consistent for c in server.store.get_all("snapshot"))
+    print(f"{marked} of 6 in-place captures marked inconsistent", file=sys.stderr)
+
+
+def test_copy_false_reads_small_arrays_in_place(server: thing.Server) -> None:
+    """The opt-out: a user who knows the array is not rewritten saves the copy."""
+    client = thing.Client("127.0.0.1", server.port)
+    try:
+        array = np.arange(4.0)
+        handle = client.catch(array, name="mine", copy=False)
+        assert handle.wait(10)
+        assert server.get("mine").tobytes() == array.tobytes()
+    finally:
+        client.close()
+
+
+def test_the_repl_warns_about_each_inconsistent_capture_it_returns(
+        server: thing.Server, caplog: pytest.LogCaptureFixture) -> None:
+    server.store.reserve(4)
+    server.store.add("w", np.zeros(1, np.float32), (), 4, thing.store.Sender("x:1"),
+                     consistent=False)
+    server.store.reserve(4)
+    server.store.add("w", np.ones(1, np.float32), (), 4, thing.store.Sender("x:1"))
+    with caplog.at_level(logging.WARNING, logger="thing"):
+        server.get("w", index=1)
+        server.get_all("w")
+        server.get("w")  # consistent: no warning
+    warnings = [r.getMessage() for r in caplog.records if "changed between catch()" in
+                r.getMessage()]
+    assert len(warnings) == 2 and all("'w'" in text for text in warnings)
+
+
+def test_a_full_queue_costs_no_copy(server: thing.Server) -> None:
+    """Room in the queue is taken before any snapshot: a dropped capture copied nothing."""
+    out = run_script(
+        """
+        import tracemalloc, numpy as np, thing
+        client = thing.Client("127.0.0.1", PORT, max_queue_items=1)
+        big = np.ones(16 << 20, np.uint8)
+        first = client.catch(big, name="first", copy=True, block=True)
+        tracemalloc.start()
+        dropped = [client.catch(big, name="dropped", copy=True) for _ in range(20)]
+        _, peak = tracemalloc.get_traced_memory()
+        print(sum(h.error is not None and "queue is full" in h.error for h in dropped), peak)
+        assert first.wait(30)
+        """.replace("PORT", str(server.port)),
+        server.port,
+    )
+    full, peak = map(int, out.split())
+    assert full > 0  # the queue was full for some of them (the first one may still be queued)
+    assert peak < (16 << 20) * 2  # at most the copies of those that found room
+
+
+def test_torch_captures_reach_a_server_that_never_imported_torch(processes) -> None:
+    """Two processes send torch tensors at once; the server imports torch only when asked."""
+    repl = start_script(
+        """
+        import sys, thing
+        server = thing.Server(port=0).start()
+        print(server.port, flush=True)
+        sys.stdin.readline()
+        print(server.store.received, "torch" in sys.modules, flush=True)
+        value = server.get("t")
+        print(type(value).__module__.split(".")[0], "torch" in sys.modules, flush=True)
+        server.close()
+        """,
+        stdin=True,
+    )
+    processes.append(repl)
+    port = int(repl.stdout.readline())
+    senders = [
+        start_script(
+            """
+            import torch, thing
+            handles = [thing.catch(torch.full((64,), float(i)), name="t", block=True)
+                       for i in range(21)]
+            assert all(h.wait(60) for h in handles), [h.error for h in handles if h.id is None]
+            """,
+            port,
+        )
+        for _ in range(2)
+    ]
+    processes.extend(senders)
+    for sender in senders:
+        assert sender.wait(120) == 0, sender.stderr.read()
+    repl.stdin.write("go\n")
+    repl.stdin.flush()
+    stored, imported = repl.stdout.readline().split()
+    assert (stored, imported) == ("42", "False")
+    assert repl.stdout.readline().split() == ["torch", "True"]
+    assert repl.wait(60) == 0
+    assert repl.stderr.read() == ""  # nothing printed on the REPL's side
+
+
+def test_cuda_tensors_on_a_device_that_is_not_current(server: thing.Server) -> None:
+    """The copy to host runs on the tensor's own device's stream; so must the event."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    run_script(
+        """
+        import torch, thing
+        last = torch.device("cuda", torch.cuda.device_count() - 1)
+        torch.cuda.set_device(0)  # with two devices or more, not the tensor's
+        handles = []
+        def loop(name):
+            for i in range(20):
+                x = torch.full((1 << 22,), float(i), device=last)
+                for _ in range(50):  # keeps the tensor's stream busy past the call
+                    x = x * 1.0
+                handles.append(thing.catch(x, name=name, block=True))
+                x.add_(1000)  # queued after the copy on the same stream: never seen
+        loop("current-stream")
+        with torch.cuda.stream(torch.cuda.Stream(device=last)):
+            loop("side-stream")
+        assert all(h.wait(60) for h in handles), [h.error for h in handles if h.id is None]
+        """,
+        server.port,
+        timeout=180,
+    )
+    for name in ("current-stream", "side-stream"):
+        for i, got in enumerate(server.get_all(name)):
+            assert bool((got == i).all()), f"{name} capture {i}"
+        assert all(c.consistent for c in server.store.get_all(name))

@@ -1,0 +1,525 @@
+"""The connection to one server: its send queue, sender thread and acknowledgement reader.
+
+A :class:`Channel` chooses the path (Unix socket, shared memory or TCP),
+performs the handshake, sends each queued capture as one frame straight from
+its arrays' memory, and resolves each capture's handle from the server's
+acknowledgements. Whatever happens (a refusal, a lost connection, a bug, the
+client closing), every handle it accepted is resolved exactly once.
+
+The server answers every frame exactly once, in frame order, so the oldest
+frame in flight is always the one an acknowledgement is for; the reader
+checks that, and a server that breaks it is treated as a broken connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections import Counter, deque
+from typing import Any, NamedTuple
+
+from . import auth, config, shm, wire
+from ._core import recv_buffers, send_buffers
+from .arrays import leaf_bytes, torn
+from .errors import HandshakeError, ProtocolError
+from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle
+from .names import CallSite
+from .sockets import (
+    connect,
+    connect_unix,
+    is_this_host,
+    set_timeouts,
+    shutdown,
+    unix_socket_path,
+)
+
+log = logging.getLogger("thing")
+
+# Captures below SMALL_BYTES wait up to GATHER_SECONDS to be sent with others, at most
+# BATCH at a time: delivery a few milliseconds later, for far fewer thread wake-ups.
+# They were snapshotted at the call, so the wait cannot change what they hold.
+SMALL_BYTES = 64 << 10
+GATHER_SECONDS = 0.01
+BATCH = 64
+
+_TRANSPORT_NAMES = {
+    "tcp": "TCP",
+    "unix": "a Unix socket",
+    "shm": "a Unix socket, with shared memory for large arrays",
+}
+
+_CLOSED_IN_FLIGHT = ("unacknowledged: the client was closed before the server answered "
+                     "(it may or may not have stored it)")
+
+# Why captures were not delivered, as the client counts them (see Client.undelivered).
+NOT_DELIVERED_REASONS = ("no server", "queue full", "failed", "lost", "closed")
+
+
+class Pending(NamedTuple):
+    """A capture waiting to be sent, or sent and waiting for its acknowledgement."""
+
+    name: str | None
+    payload: wire.Payload
+    site: CallSite | None
+    caught_at: float
+    handle: CaptureHandle
+
+
+class SendQueue:
+    """What a client may hold unsent, across all its channels, and what it failed to deliver.
+
+    ``lock`` is the one condition every channel of the client uses.
+    ``undelivered`` counts captures that were not delivered, by reason; it
+    travels with every frame so the REPL sees them too.
+    """
+
+    def __init__(self, max_bytes: int, max_items: int):
+        self.lock = threading.Condition(threading.Lock())
+        self.max_bytes = max_bytes
+        self.max_items = max_items
+        self.items = 0
+        self.bytes = 0
+        self.undelivered: Counter[str] = Counter()
+        self.stored = 0  # captures the server acknowledged as stored
+        self._last_drop_log = 0.0
+
+    def take(self, nbytes: int, block: bool) -> bool:
+        """Take room for one capture (the caller holds ``lock``); False if full and not blocking."""
+        while self.items >= self.max_items or (self.items and self.bytes + nbytes > self.max_bytes):
+            if not block:
+                self.undelivered["queue full"] += 1
+                now = time.monotonic()
+                if now - self._last_drop_log > 5:
+                    self._last_drop_log = now
+                    log.warning(
+                        "send queue full (%d captures, %d bytes): %d captures dropped so far",
+                        self.items, self.bytes, self.undelivered["queue full"],
+                    )
+                return False
+            self.lock.wait(1.0)
+        self.items += 1
+        self.bytes += nbytes
+        return True
+
+    def give_back(self, nbytes: int) -> None:
+        """Give back one capture's room (the caller holds ``lock``)."""
+        self.items -= 1
+        self.bytes -= nbytes
+        self.lock.notify_all()
+
+
+class Channel:
+    """The connection to one server: its queue, sender thread and acknowledgement reader."""
+
+    def __init__(self, address: tuple[str, int], queue: SendQueue, token: str | None):
+        self.address = address
+        self.token = token
+        self._room = queue
+        self._lock = queue.lock
+        self._queue: deque[Pending] = deque()
+        # Sent and awaiting the server's ack, in the order they were sent (dicts keep it).
+        self._inflight: dict[int, Pending] = {}
+        self._seq = itertools.count()
+        self._sock: socket.socket | None = None
+        self._lost = False  # the reader saw the connection end; the sender must reconnect
+        self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
+        self._unix_refused = False  # the Unix socket turned us away: go by TCP
+        self._closed = False
+        self._warned: set[str] = set()
+        # Until the first attempt to connect has failed, captures wait for it.
+        self.down = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"thing-send-{address[0]}:{address[1]}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue or self._inflight)
+
+    def enqueue(self, pending: Pending, block: bool, copy: bool | None,
+                snapshot_bytes: int) -> CaptureHandle:
+        """Queue a capture: room first, then the snapshot, so a full queue costs no copy."""
+        nbytes = pending.payload.nbytes
+        with self._lock:
+            if self._closed:
+                return CLOSED
+            if not self._room.take(nbytes, block):
+                return QUEUE_FULL
+        try:
+            pending.payload.hold(copy, snapshot_bytes)
+        except BaseException:
+            with self._lock:
+                self._room.give_back(nbytes)
+                self._room.undelivered["failed"] += 1
+            raise
+        with self._lock:
+            if self._closed:
+                self._room.give_back(nbytes)
+                self._room.undelivered["closed"] += 1
+                return CLOSED
+            self._queue.append(pending)
+            # A small capture joining others needs no wake-up: the sender is already
+            # gathering them (see _gather), and waking it costs the training loop more.
+            if len(self._queue) == 1 or nbytes >= SMALL_BYTES or len(self._queue) >= BATCH:
+                self._lock.notify_all()
+        return pending.handle
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop: queued captures are told the client closed, in-flight ones too unless acked."""
+        with self._lock:
+            self._closed = True
+            dropped = self._take_queue("closed")
+            self._lock.notify_all()
+        for pending in dropped:
+            pending.handle.resolve(None, "not sent: the client was closed first")
+        sock = self._sock
+        if sock is not None:
+            shutdown(sock)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._fail_inflight("closed", _CLOSED_IN_FLIGHT)
+
+    # -- sender thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = 0.05
+        while not self._closed:
+            try:
+                sock = self._connect()
+            except Exception as exc:  # the sender thread must outlive any failure to connect
+                if not isinstance(exc, (OSError, ProtocolError)):
+                    self._log_once("connect", logging.ERROR,
+                                   "unexpected error connecting to %s:%d", *self.address,
+                                   exc_info=True)
+                self._set_down(exc)
+                with self._lock:
+                    if not self._closed:
+                        self._lock.wait(delay)
+                delay = min(delay * 2, config.reconnect_interval())
+                continue
+            delay = 0.05
+            self._serve(sock)
+
+    def _serve(self, sock: socket.socket) -> None:
+        """Send on one connection until it ends or the channel closes; then settle the in-flight."""
+        with self._lock:
+            self._sock, self.down, self._lost = sock, False, False
+        reader = threading.Thread(
+            target=self._read_acks, args=(sock,), daemon=True,
+            name=f"thing-acks-{self.address[0]}:{self.address[1]}",
+        )
+        reader.start()
+        try:
+            self._send_loop(sock)
+        except (OSError, ProtocolError) as exc:
+            if not self._closed:
+                log.warning("lost the thing server at %s:%d: %s", *self.address, exc)
+        except Exception:  # a bug must not end the thread: reconnect and keep serving
+            self._log_once("send", logging.ERROR, "unexpected error sending to %s:%d; "
+                           "reconnecting", *self.address, exc_info=True)
+        finally:
+            if not self._closed:
+                # Stop sending but keep reading: the server answers what it received,
+                # then hangs up, and those answers must not be lost with the socket.
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_WR)
+                reader.join(config.connect_timeout())
+            shutdown(sock)
+            reader.join()
+            sock.close()
+            with self._lock:
+                self._sock = None
+            if self._closed:
+                self._fail_inflight("closed", _CLOSED_IN_FLIGHT)
+            else:
+                self._fail_inflight("lost", "unacknowledged: the connection to the server was "
+                                    "lost before it answered (it may or may not have stored it)")
+
+    def _open(self, same_host: bool) -> tuple[socket.socket, str]:
+        """Connect by the fastest path available: shared memory, Unix socket, else TCP."""
+        host, port = self.address
+        wanted = config.transport()
+        if same_host and wanted != "tcp" and is_this_host(host):
+            path = unix_socket_path(port)
+            try:
+                if path is not None and path.exists():
+                    sock = connect_unix(path, config.connect_timeout())
+                    return sock, "shm" if wanted == "shm" and shm.AVAILABLE else "unix"
+            except OSError as exc:
+                log.debug("Unix socket %s unusable (%s); trying TCP", path, exc)
+        return connect(host, port, config.connect_timeout()), "tcp"
+
+    def _connect(self) -> socket.socket:
+        sock, transport = self._open(same_host=not self._unix_refused)
+        try:
+            self._handshake(sock)
+        except (OSError, ProtocolError) as exc:
+            sock.close()
+            if transport == "tcp":
+                raise
+            # The Unix socket is there but would not have us (another user's server
+            # behind a shared path, say): TCP may still, and from now on is tried first.
+            log.info("the Unix socket refused us (%s); using TCP", exc)
+            self._unix_refused = True
+            sock, transport = self._open(same_host=False)
+            try:
+                self._handshake(sock)
+            except BaseException:
+                sock.close()
+                raise
+        except BaseException:
+            sock.close()
+            raise
+        if transport != self.transport:
+            log.info("sending to the thing server at %s:%d over %s", *self.address,
+                     _TRANSPORT_NAMES[transport])
+        self.transport = transport
+        return sock
+
+    def _handshake(self, sock: socket.socket) -> None:
+        host, port = self.address
+        send_buffers(sock, [wire.encode_handshake(_identity())])
+        status, info = wire.recv_handshake(sock)
+        token = None
+        if status == wire.HANDSHAKE_CHALLENGE:
+            # Without a token, answer anyway, so the server can say why it refuses us.
+            token = auth.client_token(port, self.token)
+            nonce = str(info.get("nonce", ""))
+            answer = {"proof": auth.proof(token, nonce) if token else ""}
+            send_buffers(sock, [wire.encode_handshake(answer)])
+            status, info = wire.recv_handshake(sock)
+        if status != wire.HANDSHAKE_OK:
+            if token is None and "token" in str(info.get("error", "")):
+                raise HandshakeError(
+                    f"the server at {host}:{port} requires a token: set THING_TOKEN "
+                    "to the value the server printed"
+                )
+            raise HandshakeError(f"server refused the connection: {info.get('error', '?')}")
+        set_timeouts(sock, config.send_timeout(), None)
+
+    def _take_queue(self, reason: str) -> list[Pending]:
+        """Empty the queue, giving back its room and counting it (the caller holds the lock)."""
+        dropped = list(self._queue)
+        self._queue.clear()
+        for pending in dropped:
+            self._room.give_back(pending.payload.nbytes)
+        self._room.undelivered[reason] += len(dropped)
+        return dropped
+
+    def _set_down(self, reason: Exception) -> None:
+        with self._lock:
+            first_failure = not self.down
+            self.down = True
+            dropped = self._take_queue("no server")
+        why = f"not sent: {reason}" if isinstance(reason, HandshakeError) else NO_SERVER.error
+        for pending in dropped:
+            pending.handle.resolve(None, why)
+        if first_failure:
+            if isinstance(reason, HandshakeError):
+                log.warning("cannot use the thing server at %s:%d: %s", *self.address, reason)
+            else:
+                log.debug("no thing server at %s:%d (%s); will keep trying", *self.address, reason)
+
+    def _send_loop(self, sock: socket.socket) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed and not self._lost:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                if self._lost:
+                    raise ConnectionResetError("the server closed the connection")
+                self._gather()
+                batch = []
+                while self._queue:
+                    pending = self._queue.popleft()
+                    seq = next(self._seq)
+                    self._inflight[seq] = pending
+                    batch.append((seq, pending))
+                undelivered = dict(self._room.undelivered)
+            for seq, pending in batch:
+                self._send(sock, seq, pending, undelivered)
+
+    def _gather(self) -> None:
+        """Let small captures wait a moment for company (the caller holds the lock).
+
+        A loop that catches a scalar every step then costs the sender one
+        wake-up per batch instead of one per capture; a large capture, a long
+        queue or closing ends the wait at once.
+        """
+        deadline = time.monotonic() + GATHER_SECONDS
+        while (
+            not self._closed
+            and not self._lost
+            and len(self._queue) < BATCH
+            and all(pending.payload.nbytes < SMALL_BYTES for pending in self._queue)
+        ):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._lock.wait(remaining)
+
+    def _send(self, sock: socket.socket, seq: int, pending: Pending,
+              undelivered: dict[str, int]) -> None:
+        payload = pending.payload
+        try:
+            views = [leaf_bytes(leaf) for leaf in payload.leaves]
+            header = wire.encode_header(seq, pending.name, payload, _meta(pending, undelivered))
+        except Exception as exc:  # a leaf that cannot be read: fail this capture only
+            self._finish(seq, None, f"not sent: could not read the data: {exc}", "failed")
+            self._log_once(f"send:{pending.name}", logging.WARNING,
+                           "thing could not send %r: %s", pending.name, exc)
+            return
+        if self.transport == "shm" and payload.nbytes >= config.shm_threshold():
+            sent = self._send_shared(sock, header, payload, views)
+        else:
+            sent = False
+        if not sent:
+            prefix = wire.encode_prefix(header, payload.nbytes)
+            buffers = [prefix, header, *(view for view in views if view.nbytes)]
+            del views
+            if any(leaf.version is not None for leaf in payload.leaves):
+                # Whether a torch tensor moved on is known only once its bytes are in the kernel.
+                send_buffers(sock, buffers)
+                buffers = []
+            trailer = wire.encode_trailer(any(torn(leaf) for leaf in payload.leaves))
+            send_buffers(sock, [*buffers, trailer])
+        # The bytes are in the kernel: drop our references so the arrays can be freed.
+        payload.leaves.clear()
+
+    def _send_shared(
+        self, sock: socket.socket, header: bytes, payload: wire.Payload, views: list
+    ) -> bool:
+        """Hand the payload over in a sealed memfd; False (and nothing sent) if that fails."""
+        try:
+            fd = shm.export(views)
+        except OSError as exc:  # out of descriptors or memory: the stream still works
+            self._log_once("shm", logging.WARNING,
+                           "shared memory unavailable (%s); sending inline", exc)
+            return False
+        try:
+            prefix = wire.encode_prefix(header, payload.nbytes, wire.KIND_SHARED_MEMORY)
+            trailer = wire.encode_trailer(any(torn(leaf) for leaf in payload.leaves))
+            message = prefix + header + trailer
+            sent = socket.send_fds(sock, [message], [fd])
+            if sent < len(message):  # only a signal or a timeout splits a message this small
+                send_buffers(sock, [memoryview(message)[sent:]])
+        finally:
+            os.close(fd)
+        return True
+
+    # -- acknowledgement reader ----------------------------------------------------
+
+    def _read_acks(self, sock: socket.socket) -> None:
+        prefix = bytearray(wire.ACK.size)
+        try:
+            while True:
+                recv_buffers(sock, [prefix])
+                status, length, seq, capture_id = wire.decode_ack(bytes(prefix))
+                message = bytearray(length)
+                if length:
+                    recv_buffers(sock, [message])
+                with self._lock:
+                    oldest = next(iter(self._inflight), None)
+                if seq == wire.SEQ_OLDEST_UNANSWERED and oldest is not None:
+                    seq = oldest
+                elif seq != oldest:
+                    raise ProtocolError(
+                        f"the server acknowledged frame {seq} while {oldest} was the oldest "
+                        "unanswered one"
+                    )
+                if status == wire.ACK_STORED:
+                    self._finish(seq, capture_id, None, None)
+                else:
+                    text = wire.printable(message.decode("utf-8", "replace"))
+                    self._finish(seq, None, f"refused by the server: {text}", None)
+        except Exception as exc:  # the connection ended or broke its promise: reconnect
+            if not isinstance(exc, (OSError, ProtocolError)):
+                self._log_once("acks", logging.ERROR, "unexpected error reading "
+                               "acknowledgements from %s:%d", *self.address, exc_info=True)
+            elif isinstance(exc, ProtocolError):
+                log.warning("thing server at %s:%d: %s", *self.address, exc)
+            shutdown(sock)  # wakes the sender thread if it is blocked in a send
+            with self._lock:  # or if it is waiting for the next capture
+                self._lost = True
+                self._lock.notify_all()
+
+    def _finish(self, seq: int, capture_id: int | None, error: str | None,
+                reason: str | None) -> None:
+        with self._lock:
+            pending = self._inflight.pop(seq, None)
+            if pending is None:
+                return
+            self._room.give_back(pending.payload.nbytes)
+            if capture_id is not None:
+                self._room.stored += 1
+            elif reason is not None:
+                self._room.undelivered[reason] += 1
+        pending.handle.resolve(capture_id, error)
+        if error is not None:
+            log.debug("capture %r not stored: %s", pending.name, error)
+
+    def _fail_inflight(self, reason: str, error: str) -> None:
+        with self._lock:
+            seqs = list(self._inflight)
+        for seq in seqs:
+            self._finish(seq, None, error, reason)
+
+    def _log_once(self, key: str, level: int, message: str, *args: Any,
+                  exc_info: bool = False) -> None:
+        if key not in self._warned and len(self._warned) < 1000:
+            self._warned.add(key)
+            log.log(level, message, *args, exc_info=exc_info)
+
+
+def _meta(pending: Pending, undelivered: dict[str, int]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"caught_at": pending.caught_at}
+    if pending.site is not None:
+        site = pending.site
+        meta["site"] = f"{site.file}:{site.line} ({site.function})"
+    rank, world_size = _distributed_rank()
+    if rank is not None:
+        meta["rank"], meta["world_size"] = rank, world_size
+    if undelivered:
+        meta["undelivered"] = undelivered
+    return meta
+
+
+def _distributed_rank() -> tuple[int | None, int | None]:
+    """Rank and world size: torch.distributed's when initialised, else RANK / WORLD_SIZE."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        rank = int(os.environ["RANK"])
+    except (KeyError, ValueError):
+        return None, None
+    try:
+        return rank, int(os.environ.get("WORLD_SIZE", ""))
+    except ValueError:
+        return rank, None
+
+
+def _identity() -> dict[str, Any]:
+    from . import __version__
+
+    return {
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "thing": __version__,
+        "python": sys.version.split()[0],
+    }
+
+

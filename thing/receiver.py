@@ -1,0 +1,378 @@
+"""One client's connection, read on the server: the handshake, then frames, each answered once.
+
+This is the only code that reads a peer's bytes (``wire.py`` decodes what it
+reads), and the fuzz tests drive it through real sockets. It owns the
+socket's deadlines, the frame prefix (with any descriptors), discarding what
+it refuses, and the batch of acknowledgements still to be sent.
+
+Every frame gets exactly one acknowledgement, in frame order: stored with
+its id, or refused with its own reason. A frame refused for its size or for
+a limit is read past and the connection stays up; a malformed one ends the
+connection. Either way, and whenever the connection ends, the
+acknowledgements of frames already stored are sent first: a client is never
+told that a capture the server kept was lost.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import auth, shm, wire
+from ._core import recv_buffers, send_buffers
+from .buffers import ReceiveBuffers
+from .channel import NOT_DELIVERED_REASONS, SMALL_BYTES
+from .errors import HandshakeError, LimitExceeded, ProtocolError
+from .sockets import set_timeouts
+from .store import HistoryStore, Sender
+
+log = logging.getLogger("thing")
+
+# Acknowledgements sent in one write at most; a client waits for no more than this many.
+ACK_BATCH = 64
+
+
+class Deadlines:
+    """When each connection's handshake or current frame must be complete.
+
+    ``SO_RCVTIMEO`` alone restarts on every byte, so a peer trickling one byte
+    at a time would never time out; a watcher thread shuts the reading side of
+    late sockets (:meth:`expired`), which wakes their reader while leaving the
+    writing side open for the acknowledgements still owed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._due: dict[socket.socket, float] = {}
+
+    def start(self, sock: socket.socket, seconds: float) -> None:
+        with self._lock:
+            self._due[sock] = time.monotonic() + seconds
+
+    def stop(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._due.pop(sock, None)
+
+    def expired(self) -> list[socket.socket]:
+        """Forget and return the sockets whose deadline has passed."""
+        now = time.monotonic()
+        with self._lock:
+            late = [sock for sock, due in self._due.items() if now > due]
+            for sock in late:
+                del self._due[sock]
+        return late
+
+
+@dataclass
+class ReceiveCounts:
+    """What a server's connections did, for ``summary()``."""
+
+    received: int = 0  # frames stored
+    dropped_transfers: int = 0  # frames begun but never stored: cut, malformed, too slow, refused
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for name, count in counts.items():
+                setattr(self, name, getattr(self, name) + count)
+
+
+@dataclass(frozen=True)
+class ReceiveSettings:
+    """What every connection of one server shares."""
+
+    store: HistoryStore
+    buffers: ReceiveBuffers
+    limits: wire.Limits
+    token: str | None
+    idle_timeout: float
+    min_rate: float  # bytes per second a frame must average, after idle_timeout of grace
+    deadlines: Deadlines
+    counts: ReceiveCounts
+    closing: threading.Event
+    warn: Callable[[str, str], None]  # (peer address, message), rate-limited per peer
+
+
+class Connection:
+    """Reads one client's handshake and frames, stores captures, answers every frame."""
+
+    def __init__(self, sock: socket.socket, address: str, settings: ReceiveSettings):
+        self.sock = sock
+        self.address = address
+        self.settings = settings
+        self.local = sock.family == socket.AF_UNIX
+        self.sender = Sender(address)
+        self._acks: list[bytes] = []
+        self._mid_frame = False  # a frame's prefix arrived and it is not answered yet
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
+
+    # -- handshake -----------------------------------------------------------------
+
+    def handshake(self) -> Sender:
+        """Greet the peer (and check its token); return who it is. Raises HandshakeError."""
+        sock, settings = self.sock, self.settings
+        set_timeouts(sock, settings.idle_timeout, settings.idle_timeout)
+        settings.deadlines.start(sock, settings.idle_timeout)
+        prefix = self._recv_exact(wire.HANDSHAKE.size)
+        try:
+            _, length = wire.decode_handshake_prefix(prefix)
+        except HandshakeError as exc:
+            if prefix[:4] == wire.MAGIC:  # a thing peer of another version: tell it why
+                # Read its hello first: closing with unread bytes would reset the
+                # connection and lose the refusal on the way.
+                self._discard(min(wire.HANDSHAKE.unpack(prefix)[3], wire.MAX_HANDSHAKE_JSON))
+                self._refuse(str(exc))
+            raise
+        info = wire.decode_handshake_info(self._recv_exact(length))
+        if settings.token is not None:
+            nonce = auth.new_nonce()
+            send_buffers(sock, [wire.encode_handshake({"nonce": nonce}, wire.HANDSHAKE_CHALLENGE)])
+            _, answer = wire.recv_handshake(sock)
+            if not auth.verify(settings.token, nonce, answer.get("proof")):
+                self._refuse("wrong or missing token (set THING_TOKEN to the server's token)")
+                raise HandshakeError("refused: wrong or missing token")
+        send_buffers(sock, [wire.encode_handshake({"server": "thing", "pid": os.getpid()})])
+        settings.deadlines.stop(sock)
+        self.sender = Sender(
+            address=self.address,
+            hostname=wire.printable(str(info.get("hostname", "?"))[:255]),
+            pid=_int_or(info.get("pid"), 0),
+        )
+        return self.sender
+
+    def _refuse(self, reason: str) -> None:
+        send_buffers(self.sock, [wire.encode_handshake({"error": reason}, wire.HANDSHAKE_REFUSED)])
+
+    # -- frames --------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Receive frames until the peer leaves, breaks the protocol, or the server closes.
+
+        Raises what ended the connection (ProtocolError, OSError) after the
+        acknowledgements owed were sent, as far as the peer still listens.
+        """
+        try:
+            while self._wait_readable():
+                if not self._receive_frame():
+                    break
+                # Frames that arrived together are answered together: one send, and
+                # one wake-up of the client's reader, per batch.
+                if len(self._acks) >= ACK_BATCH or not self._poller.poll(0):
+                    self._flush_acks()
+        except ProtocolError as exc:
+            # The stream can no longer be followed: answer the frame, then hang up.
+            self._acks.append(wire.encode_ack(wire.SEQ_OLDEST_UNANSWERED, -1, str(exc)[:1000]))
+            raise
+        except OSError as exc:
+            if self._mid_frame:  # cut off, or too slow: tell the peer, if it still listens
+                self._acks.append(wire.encode_ack(
+                    wire.SEQ_OLDEST_UNANSWERED, -1, f"the frame did not arrive whole: {exc}"))
+            raise
+        finally:
+            self._flush_acks_and_close()
+
+    def _wait_readable(self) -> bool:
+        """Wait, as long as it takes, for the next frame to begin; False once closing."""
+        while not self.settings.closing.is_set():
+            if self._poller.poll(1000):
+                return True
+        return False
+
+    def _receive_frame(self) -> bool:
+        """Receive one frame and queue its acknowledgement; False if the peer closed cleanly."""
+        settings = self.settings
+        settings.deadlines.start(self.sock, settings.idle_timeout)
+        try:
+            prefix, fds = self._recv_prefix()
+        except ConnectionResetError:
+            return False  # a clean close between frames
+        self._mid_frame = True
+        try:
+            ack = self._receive_rest(prefix, fds)  # which may flush (and replace) self._acks
+            self._acks.append(ack)
+            self._mid_frame = False
+        except ProtocolError:
+            settings.counts.add(dropped_transfers=1)
+            self._mid_frame = False  # answered by serve() with the reason
+            raise
+        except BaseException:
+            settings.counts.add(dropped_transfers=1)  # cut mid-frame, invalid or too slow
+            raise
+        finally:
+            settings.deadlines.stop(self.sock)
+            for fd in fds:  # descriptors we did not adopt, e.g. sent by a misbehaving peer
+                os.close(fd)
+        return True
+
+    def _receive_rest(self, prefix: bytes, fds: list[int]) -> bytes:
+        settings = self.settings
+        kind, header_len, payload_len = wire.decode_prefix(prefix)
+        shared = kind == wire.KIND_SHARED_MEMORY
+        if len(fds) != shared:
+            raise ProtocolError(f"a frame of kind {kind} came with {len(fds)} descriptors")
+        in_stream = (0 if shared else payload_len) + wire.FRAME_TRAILER.size
+        # The whole frame must arrive at a minimum rate, so a peer that trickles cannot
+        # hold a reservation (or a discard) for ever.
+        settings.deadlines.start(self.sock, settings.idle_timeout
+                                 + (header_len + in_stream) / settings.min_rate)
+        try:
+            wire.check_frame_size(header_len, payload_len, settings.limits)
+        except LimitExceeded as exc:
+            return self._skip(header_len + in_stream, wire.SEQ_OLDEST_UNANSWERED, None, exc)
+        raw_header = self._recv_exact(header_len)
+        try:
+            header = wire.decode_header(raw_header, payload_len, settings.limits)
+        except LimitExceeded as exc:
+            return self._skip(in_stream, wire.SEQ_OLDEST_UNANSWERED, None, exc)
+        del raw_header
+        try:
+            settings.store.reserve(payload_len)
+        except LimitExceeded as exc:
+            return self._skip(in_stream, header.seq, header.name, exc)
+        stored = False
+        try:
+            if in_stream - wire.FRAME_TRAILER.size >= SMALL_BYTES:
+                self._flush_acks()  # the frames before this one need not wait for its payload
+            trailer = bytearray(wire.FRAME_TRAILER.size)
+            if shared:
+                arrays = shm.adopt(fds.pop(), header.leaves)
+                recv_buffers(self.sock, [trailer])
+            else:
+                arrays = [settings.buffers.array(spec) for spec in header.leaves]
+                recv_buffers(self.sock, [array for array in arrays if array.nbytes] + [trailer])
+            modified = wire.decode_trailer(bytes(trailer))
+            meta = header.meta
+            sender = _sender_of(meta, self.sender)
+            undelivered = _undelivered_of(meta)
+            if undelivered:
+                settings.store.note_undelivered(sender, undelivered)
+            capture = settings.store.add(
+                None if header.name is None else wire.printable(header.name),
+                wire.ReceivedValue(header.tree, header.leaves, arrays),
+                header.leaves,
+                payload_len,
+                sender,
+                caught_at=_float_or(meta.get("caught_at")),
+                call_site=_str_or(meta.get("site")),
+                consistent=not modified,
+            )
+            stored = True
+        except LimitExceeded as exc:  # the whole frame was read: the stream is still in step
+            log.warning("refused %r from %s: %s", header.name, self.sender.address, exc)
+            settings.counts.add(dropped_transfers=1)
+            return wire.encode_ack(header.seq, -1, str(exc))
+        finally:
+            if not stored:
+                settings.store.release(payload_len)
+        settings.counts.add(received=1)
+        return wire.encode_ack(header.seq, capture.id)
+
+    def _skip(self, unread: int, seq: int, name: str | None, why: LimitExceeded) -> bytes:
+        """Read past a refused frame, so the connection and the frames after it go on."""
+        log.warning("refused %s from %s: %s", "a capture" if name is None else repr(name),
+                    self.sender.address, why)
+        self._discard(unread)
+        self.settings.counts.add(dropped_transfers=1)
+        return wire.encode_ack(seq, -1, str(why)[:1000])
+
+    def _flush_acks(self) -> None:
+        if self._acks:
+            acks, self._acks = self._acks, []
+            send_buffers(self.sock, acks)
+
+    def _flush_acks_and_close(self) -> None:
+        """Send what is owed, then let the peer see the end of the stream.
+
+        Closing with its unread bytes still queued would reset the connection
+        and could lose the answers, so read (and drop) what it still sends,
+        for a second at most: a thing client hangs up once it sees the end.
+        """
+        sock = self.sock
+        try:
+            set_timeouts(sock, 1.0, 0.2)
+            self._flush_acks()
+            sock.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + 1.0
+            scratch = bytearray(1 << 16)
+            while time.monotonic() < deadline and sock.recv_into(scratch):
+                pass
+        except OSError:
+            pass
+
+    # -- reading -------------------------------------------------------------------
+
+    def _recv_prefix(self) -> tuple[bytes, list[int]]:
+        """A frame prefix, and on a Unix socket the descriptors that came with it."""
+        size = wire.FRAME_PREFIX.size
+        if not self.local:
+            return self._recv_exact(size), []
+        prefix, fds = b"", []
+        flags = socket.MSG_WAITALL | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+        while len(prefix) < size:
+            data, received, message_flags, _ = socket.recv_fds(
+                self.sock, size - len(prefix), 4, flags
+            )
+            fds += received
+            if message_flags & socket.MSG_CTRUNC or not data:
+                for fd in fds:
+                    os.close(fd)
+                if not data:
+                    raise ConnectionResetError(errno.ECONNRESET, "peer closed the connection")
+                raise ProtocolError("a peer sent more descriptors than a frame carries")
+            prefix += data
+        return prefix, fds
+
+    def _recv_exact(self, size: int) -> bytes:
+        buffer = bytearray(size)
+        recv_buffers(self.sock, [buffer])
+        return bytes(buffer)
+
+    def _discard(self, size: int) -> None:
+        scratch = bytearray(min(size, 1 << 20))
+        while size:
+            chunk = memoryview(scratch)[: min(size, len(scratch))]
+            recv_buffers(self.sock, [chunk])
+            size -= len(chunk)
+
+
+def _sender_of(meta: dict[str, Any], connection: Sender) -> Sender:
+    rank, world_size = meta.get("rank"), meta.get("world_size")
+    if rank is None and world_size is None:
+        return connection
+    return Sender(
+        connection.address,
+        connection.hostname,
+        connection.pid,
+        _int_or(rank, None),
+        _int_or(world_size, None),
+    )
+
+
+def _undelivered_of(meta: dict[str, Any]) -> dict[str, int]:
+    """The sender's own count of captures it could not deliver, by reason (known ones only)."""
+    counts = meta.get("undelivered")
+    if not isinstance(counts, dict):
+        return {}
+    return {reason: count for reason, count in counts.items()
+            if reason in NOT_DELIVERED_REASONS and _int_or(count, -1) in range(1 << 62)}
+
+
+def _int_or(value: Any, default: Any) -> Any:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _float_or(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _str_or(value: Any) -> str | None:
+    return wire.printable(value[:1024]) if isinstance(value, str) else None
