@@ -111,7 +111,7 @@ def describe_leaf(obj: Any) -> Leaf | None:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         spec = LeafSpec("torch", _wire_name(obj.dtype), tuple(obj.shape))
-        return Leaf(spec, obj.detach(), obj.nbytes)
+        return Leaf(spec, obj, obj.nbytes)
     if isinstance(obj, np.str_):  # travels as the str it is
         return None
     if isinstance(obj, (np.ndarray, np.generic)):
@@ -140,7 +140,7 @@ def hold(leaf: Leaf, copy: bool | None, snapshot_bytes: int) -> None:
     snapshot = copy if copy is not None else leaf.nbytes <= snapshot_bytes
     if framework == "numpy":
         if snapshot and isinstance(source, np.ndarray):
-            leaf.source = np.array(source, order="C")
+            leaf.source = _snapshot_array(source)
     elif framework == "torch":
         _hold_tensor(leaf, source, snapshot)
     elif framework == "bytes":
@@ -150,9 +150,20 @@ def hold(leaf: Leaf, copy: bool | None, snapshot_bytes: int) -> None:
         source.copy_to_host_async()
 
 
+def _snapshot_array(array: np.ndarray) -> np.ndarray:
+    """A C-ordered copy of ``array``, made without releasing the GIL.
+
+    ``np.array(x)`` releases the GIL around larger copies; the sender thread then
+    takes it, and the caller waits for it back for far longer than the copy took
+    (measured: 28 us instead of 6 us at 64 KiB). ``tobytes`` copies with the GIL held.
+    """
+    return np.frombuffer(array.tobytes(), array.dtype).reshape(array.shape)
+
+
 def _hold_tensor(leaf: Leaf, tensor: Any, snapshot: bool) -> None:
     if tensor.is_cuda:
         torch = sys.modules["torch"]
+        tensor = tensor.detach()  # copy_ from a tensor that requires grad would record a graph
         # The copy runs on the current stream of the tensor's own device, which need not
         # be the current device: the event must be recorded on that same stream.
         stream = torch.cuda.current_stream(tensor.device)
@@ -163,7 +174,13 @@ def _hold_tensor(leaf: Leaf, tensor: Any, snapshot: bool) -> None:
             leaf.ready.record(stream)
         leaf.source = host
     elif snapshot:
-        leaf.source = tensor.clone(memory_format=sys.modules["torch"].contiguous_format)
+        # A numpy view of the tensor, copied with the GIL held (see _snapshot_array);
+        # .data, not .detach(): torch may release the GIL in detach(), never in .data.
+        try:
+            leaf.source = _snapshot_array(tensor.data.numpy())
+        except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16), a conjugate view
+            leaf.source = tensor.detach().clone(
+                memory_format=sys.modules["torch"].contiguous_format)
     else:
         try:
             leaf.version = tensor._version
@@ -205,15 +222,17 @@ def leaf_bytes(leaf: Leaf) -> np.ndarray:
         leaf.ready.synchronize()
     source = leaf.source
     framework = leaf.spec.framework
-    if framework == "torch":
-        source = source.resolve_conj().resolve_neg().contiguous()
+    if isinstance(source, (np.ndarray, np.generic)):  # numpy, or a torch tensor's snapshot
+        pass
+    elif framework == "torch":
+        source = source.detach().resolve_conj().resolve_neg().contiguous()
         if source.device.type != "cpu":
             source = source.cpu()
         carrier = CARRIER_DTYPES[leaf.spec.dtype]
         source = source.view(_torch_dtype(_torch(), carrier.name)).numpy()
     elif framework == "bytes":
         return np.frombuffer(source, np.uint8)
-    elif framework == "jax":
+    else:  # jax
         source = np.asarray(source)
     array = np.ascontiguousarray(source)
     if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):

@@ -267,7 +267,7 @@ class Connection:
             )
             stored = True
         except LimitExceeded as exc:  # the whole frame was read: the stream is still in step
-            log.warning("refused %r from %s: %s", header.name, self.sender.address, exc)
+            settings.warn(self.address, f"refused {header.name!r} from {self.address}: {exc}")
             settings.counts.add(dropped_transfers=1)
             return wire.encode_ack(header.seq, -1, str(exc))
         finally:
@@ -278,8 +278,8 @@ class Connection:
 
     def _skip(self, unread: int, seq: int, name: str | None, why: LimitExceeded) -> bytes:
         """Read past a refused frame, so the connection and the frames after it go on."""
-        log.warning("refused %s from %s: %s", "a capture" if name is None else repr(name),
-                    self.sender.address, why)
+        what = "a capture" if name is None else repr(name)
+        self.settings.warn(self.address, f"refused {what} from {self.address}: {why}")
         self._discard(unread)
         self.settings.counts.add(dropped_transfers=1)
         return wire.encode_ack(seq, -1, str(why)[:1000])
