@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 from _common import print_machine  # noqa: E402
 
 import thing  # noqa: E402
+from tests.conftest import open_fds  # noqa: E402
 from tests.test_fuzz import (  # noqa: E402
     HELLO,
     SEED_FRAMES,
@@ -56,7 +57,7 @@ from tests.test_fuzz import (  # noqa: E402
     nasty_frames,
     read_like_the_server,
 )
-from tests.test_security import open_fds, read_to_end, stored_acks  # noqa: E402
+from tests.test_security import read_to_end, stored_acks  # noqa: E402
 from thing import wire  # noqa: E402
 from thing.errors import ProtocolError  # noqa: E402
 

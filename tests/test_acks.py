@@ -148,7 +148,8 @@ def test_a_killed_server_leaves_no_handle_pending(processes) -> None:
     assert int(stored) < 3000  # the kill landed mid-stream
 
 
-def test_close_resolves_every_queued_and_in_flight_handle() -> None:
+def test_close_resolves_every_queued_and_in_flight_handle(monkeypatch) -> None:
+    monkeypatch.setenv("THING_TRANSPORT", "tcp")  # the stalled server has no Unix socket
     stalled = _StalledServer()
     client = thing.Client("127.0.0.1", stalled.port, max_queue_items=50)
     try:

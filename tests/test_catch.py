@@ -127,7 +127,8 @@ class _StalledServer:
             sock.close()
 
 
-def test_full_queue_drops_without_blocking() -> None:
+def test_full_queue_drops_without_blocking(monkeypatch) -> None:
+    monkeypatch.setenv("THING_TRANSPORT", "tcp")  # the stalled server has no Unix socket
     stalled = _StalledServer()
     client = thing.Client("127.0.0.1", stalled.port, max_queue_items=4, max_queue_bytes=1 << 30)
     try:

@@ -282,8 +282,10 @@ def test_other_protocol_version_sending_its_info_gets_the_refusal(server: thing.
     _round_trip_here(server, "after-refusals")
 
 
-def test_client_reports_a_server_of_another_version(caplog: pytest.LogCaptureFixture) -> None:
+def test_client_reports_a_server_of_another_version(caplog: pytest.LogCaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A thing client talking to a newer server logs why it cannot send, once, as a warning."""
+    monkeypatch.setenv("THING_TRANSPORT", "tcp")  # the fake server has no Unix socket
     with socket.create_server(("127.0.0.1", 0)) as fake:
         fake.settimeout(10)
         client = thing.Client("127.0.0.1", fake.getsockname()[1])

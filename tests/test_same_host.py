@@ -31,7 +31,7 @@ import pytest
 
 import thing
 from thing import shm, wire
-from thing.sockets import connect, connect_unix, is_this_host, unix_socket_path
+from thing.sockets import connect, connect_unix, is_this_host, listen_unix, unix_socket_path
 from thing.store import HistoryStore
 
 from .conftest import open_fds, poll, run_script, script_env, start_script
@@ -207,7 +207,13 @@ def test_no_unix_socket_in_a_directory_others_could_reach(
     assert unix_socket_path(4242) is None
     with thing.Server(port=0) as server:
         assert server.unix_path is None
-        run_script("import thing; assert thing.catch(1, name='one').wait(30)", server.port)
+        # Without the socket, a token-less client does not take TCP to this host on trust...
+        out = run_script("import thing; h = thing.catch(1, name='one'); print(h.wait(30), h.error)",
+                         server.port)
+        assert out.startswith("False") and "THING_TRANSPORT=tcp" in out, out
+        # ... unless told to.
+        run_script("import thing; assert thing.catch(1, name='one').wait(30)", server.port,
+                   THING_TRANSPORT="tcp")
         assert server.capture("one").sender.address.startswith("127.0.0.1:")
 
 
@@ -274,47 +280,53 @@ def run_as_nobody(code: str, port: int, **env: str) -> dict[str, Any]:
     return json.loads(result.stdout)
 
 
-def test_another_user_cannot_reach_the_socket_and_uses_tcp(server: thing.Server) -> None:
-    """The client looks for sockets in its own user's directory: none there, so TCP.
+def test_another_user_without_a_socket_of_its_own_sends_only_when_told_tcp(
+        server: thing.Server) -> None:
+    """The client looks for sockets in its own user's directory: none there. Without a
+    token it will not take TCP to this host on trust, unless THING_TRANSPORT=tcp says so.
 
-    Nor could it use the server's: the 0700 directory denies it even a connect().
+    Nor could it use the server's socket: the 0700 directory denies it even a connect().
     """
-    report = run_as_nobody(
-        f"""
-        assert thing.catch(np.arange(5), name="plain").wait(30)
+    code = f"""
+        handle = thing.catch(np.arange(5), name="plain")
+        stored = handle.wait(30)
         try:
             thing.sockets.connect_unix(Path({str(server.unix_path)!r}), 5)
             denied = False
         except PermissionError:
             denied = True
-        print(json.dumps({{"transport": thing._default_client._channels[None].transport,
-                          "denied": denied, "pid": os.getpid()}}))
-        """,
-        server.port,
-    )
-    assert report == {"transport": "tcp", "denied": True, "pid": report["pid"]}
+        print(json.dumps({{"stored": stored, "error": handle.error, "denied": denied,
+                          "transport": thing._default_client._channels[None].transport,
+                          "pid": os.getpid()}}))
+        """
+    report = run_as_nobody(code, server.port)
+    assert report["stored"] is False and report["denied"] is True
+    assert "THING_TRANSPORT=tcp" in report["error"] and report["transport"] is None
+    assert "plain" not in server.store.names()
+    report = run_as_nobody(code, server.port, THING_TRANSPORT="tcp")
+    assert report["stored"] is True and report["transport"] == "tcp"
     capture = server.capture("plain")
     assert np.array_equal(capture.value, np.arange(5))
     assert capture.sender.address.startswith("127.0.0.1:")
     assert capture.sender.pid == report["pid"]
 
 
-def test_another_user_pointed_at_the_socket_falls_back_to_tcp(server: thing.Server) -> None:
+def test_another_user_pointed_at_the_socket_is_denied_and_sends_nothing(
+        server: thing.Server) -> None:
     report = run_as_nobody(
         f"""
-        thing.channel.unix_socket_path = lambda port: Path({str(server.unix_path)!r})
+        thing.channel.unix_socket_path = lambda port, host: Path({str(server.unix_path)!r})
         handle = thing.catch(np.arange(6), name="pointed")
-        print(json.dumps({{"stored": handle.wait(10), "error": handle.error,
-                          "transport": thing._default_client._channels[None].transport}}))
+        print(json.dumps({{"stored": handle.wait(10), "error": handle.error}}))
         """,
         server.port,
     )
-    assert report == {"stored": True, "error": None, "transport": "tcp"}
-    assert server.capture("pointed").sender.address.startswith("127.0.0.1:")
+    assert report["stored"] is False and "unusable" in report["error"], report
+    assert "pointed" not in server.store.names()
 
 
 NOBODY_THROUGH_AN_OPENED_DOOR = """
-thing.channel.unix_socket_path = lambda port: Path({path!r})
+thing.channel.unix_socket_path = lambda port, host: Path({path!r})
 client = thing.Client("127.0.0.1", {port})
 handle = client.catch(np.arange(7), name="intruder")
 stored = handle.wait(10)
@@ -350,20 +362,47 @@ def test_another_users_peer_is_refused_by_its_credentials(
     refusals = [r for r in caplog.records if "uid 65534" in r.getMessage()]
     assert refusals[0].levelno == logging.WARNING
     assert "refused a Unix-socket peer of another user" in refusals[0].getMessage()
-    assert report["transport"] == "tcp"
-    assert all(c.sender.address != "local" for c in server.store.recent(len(server.store)))
+    assert report["stored"] is False  # and no fallback to TCP without a token
+    assert "intruder" not in server.store.names()
 
 
-def test_another_users_peer_refused_on_the_unix_socket_falls_back_to_tcp(
-    opened_door: thing.Server,
-) -> None:
-    server = opened_door
-    report = run_as_nobody(
-        NOBODY_THROUGH_AN_OPENED_DOOR.format(path=str(server.unix_path), port=server.port),
-        server.port,
-    )
-    assert report["stored"] and report["transport"] == "tcp"
-    assert server.capture("intruder").sender.address.startswith("127.0.0.1:")
+def test_a_client_refuses_a_unix_socket_served_by_another_user(tmp_path: Path) -> None:
+    """The client checks the server's uid (SO_PEERCRED) as the server checks the client's:
+    a socket another user serves, wherever it is, gets nothing."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a server as another user")
+    rogue_dir = tmp_path / "rogue"
+    rogue_dir.mkdir(mode=0o700)
+    os.chown(rogue_dir, NOBODY, NOBODY)
+    tmp_path.chmod(0o711)
+    rogue = subprocess.Popen(
+        [sys.executable, "-c", AS_NOBODY + textwrap.dedent("""
+            server = thing.Server(port=0).start()
+            print(server.unix_path, server.port, flush=True)
+            sys.stdin.readline()
+            print(server.store.received, flush=True)
+            """)],
+        env=script_env(XDG_RUNTIME_DIR=str(rogue_dir), PYTHONDONTWRITEBYTECODE="1"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        path, port = rogue.stdout.readline().split()
+        out = run_script(
+            f"""
+            import numpy as np, thing, thing.channel
+            from pathlib import Path
+            thing.channel.unix_socket_path = lambda port, host: Path({path!r})
+            handle = thing.catch(np.arange(3), name="secret")
+            print(handle.wait(10), handle.error)
+            """,
+            int(port),
+        )
+        assert out.startswith("False") and "served by another user (uid 65534)" in out, out
+        rogue.stdin.write("done\n")
+        rogue.stdin.flush()
+        assert rogue.stdout.readline().strip() == "0"
+    finally:
+        rogue.kill()
+        rogue.communicate()
 
 
 # -- fallbacks, never failures ----------------------------------------------------------------
@@ -441,33 +480,36 @@ def test_without_memfd_the_client_uses_the_unix_socket(server: thing.Server) -> 
 
 
 @pytest.mark.parametrize(("socket_file", "forced"), [("missing", "unix"), ("dead", "auto")])
-def test_unix_socket_unusable_falls_back_to_tcp(
-    server: thing.Server, socket_file: str, forced: str
+def test_an_unusable_unix_socket_is_no_licence_for_tcp_without_a_token(
+    monkeypatch: pytest.MonkeyPatch, socket_file: str, forced: str
 ) -> None:
-    assert server.unix_path is not None
-    server.unix_path.unlink()
-    if socket_file == "dead":  # a socket file nobody listens on: connecting is refused
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
-            dead.bind(str(server.unix_path))
-        assert server.unix_path.is_socket()
-    result = run_script(
-        f"""
-        {LOGGING}
-        import numpy as np, thing
-        assert thing.catch(np.arange(1 << 20, dtype=np.float32), name="big").wait(30)
-        print(thing._default_client._channels[None].transport)
-        """,
-        server.port,
-        full=True,
-        THING_TRANSPORT=forced,
-    )
-    assert result.stdout.split() == ["tcp"]
-    assert client_log(result.stderr) == [
-        f"INFO sending to the thing server at 127.0.0.1:{server.port} over TCP"
-    ]
-    capture = server.capture("big")
-    assert np.array_equal(capture.value, np.arange(1 << 20, dtype=np.float32))
-    assert capture.sender.address.startswith("127.0.0.1:")
+    """Without its socket, the server is reached over TCP only by a client with the token
+    (the server must prove it) or one told THING_TRANSPORT=tcp."""
+    monkeypatch.delenv("THING_TOKEN", raising=False)
+    with thing.Server(port=0, token="ours") as server:
+        assert server.unix_path is not None
+        server.unix_path.unlink()
+        if socket_file == "dead":  # a socket file nobody listens on: connecting is refused
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+                dead.bind(str(server.unix_path))
+            assert server.unix_path.is_socket()
+        code = f"""
+            {LOGGING}
+            import numpy as np, thing
+            handle = thing.catch(np.arange(1 << 20, dtype=np.float32), name="big")
+            print(handle.wait(30), thing._default_client._channels[None].transport)
+            """
+        out = run_script(code, server.port, THING_TRANSPORT=forced)
+        assert out.split() == ["False", "None"]
+        result = run_script(code, server.port, full=True, THING_TRANSPORT=forced,
+                            THING_TOKEN="ours")
+        assert result.stdout.split() == ["True", "tcp"]
+        assert client_log(result.stderr) == [
+            f"INFO sending to the thing server at 127.0.0.1:{server.port} over TCP"
+        ]
+        capture = server.capture("big")
+        assert np.array_equal(capture.value, np.arange(1 << 20, dtype=np.float32))
+        assert capture.sender.address.startswith("127.0.0.1:")
 
 
 def test_only_this_hosts_names_take_the_same_host_path() -> None:
@@ -771,3 +813,42 @@ def test_a_server_keeps_more_shared_memory_captures_than_it_has_descriptors() ->
             process.kill()
             process.communicate()
     assert (int(out), int(stored)) == (100, 100)
+
+
+# -- socket files: each server's own ---------------------------------------------------------
+
+
+def test_two_servers_on_one_port_at_two_addresses_keep_their_own_sockets() -> None:
+    first = thing.Server(port=0, host="127.0.0.1").start()
+    second = thing.Server(port=first.port, host="127.0.0.2").start()
+    try:
+        assert first.unix_path != second.unix_path and second.unix_path.is_socket()
+        for server, host in ((first, "127.0.0.1"), (second, "127.0.0.2")):
+            client = thing.Client(host, server.port)
+            try:
+                assert client.catch(host, name="to").wait(10)
+                assert client.transport() == "unix"
+            finally:
+                client.close()
+            assert server.get("to") == host  # each reached its own server
+        first.close()
+        assert second.unix_path.is_socket()  # closing one leaves the other's alone
+        client = thing.Client("127.0.0.2", second.port)
+        try:
+            assert client.catch(2, name="after").wait(10) and client.transport() == "unix"
+        finally:
+            client.close()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_live_servers_socket_is_never_replaced(server: thing.Server) -> None:
+    assert server.unix_path is not None
+    with pytest.raises(OSError, match="live server"):
+        listen_unix(server.unix_path)
+    client = thing.Client("127.0.0.1", server.port)
+    try:
+        assert client.catch(1, name="still").wait(10) and client.transport() == "unix"
+    finally:
+        client.close()

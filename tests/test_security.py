@@ -33,7 +33,7 @@ from thing import auth, config, wire
 from thing.arrays import leaf_bytes
 from thing.store import HistoryStore
 
-from .conftest import poll, run_script, script_env, start_script
+from .conftest import free_port, poll, run_script, script_env, start_script
 
 # -- helpers shared by the robustness tests ------------------------------------------------
 
@@ -295,7 +295,9 @@ print("stored" if stored else "not stored", flush=True)
 
 def _run_token_client(port: int, token: str | None, **env: str) -> subprocess.CompletedProcess:
     """Run TOKEN_CLIENT; over TCP unless ``THING_TRANSPORT`` says otherwise."""
-    env = {"THING_TOKEN": token or "", "THING_TRANSPORT": "tcp", **env}
+    env = {"THING_TRANSPORT": "tcp", **env}
+    if token is not None:
+        env["THING_TOKEN"] = token
     return run_script(TOKEN_CLIENT, port, timeout=60, full=True, **env)
 
 
@@ -319,14 +321,15 @@ def test_wrong_or_missing_token_is_refused_and_nothing_is_stored(
         result = _run_token_client(server.port, token, THING_TRANSPORT=transport)
         assert result.stdout.strip() == "not stored"
         # The client says why, and what to do about it.
-        assert "THING_TOKEN" in result.stderr, result.stderr
         if token is None:
-            assert "requires a token" in result.stderr, result.stderr
+            assert "requires a token" in result.stderr and "THING_TOKEN" in result.stderr, \
+                result.stderr
         else:
-            assert "wrong or missing token" in result.stderr, result.stderr
-            # The server says it refused someone, and why.
-            poll(lambda: any("token" in m and "refused" in m for m in caplog.messages),
-                 5, f"the server's refusal in its log, got {caplog.messages}")
+            # The server proves its token first: the client refuses it before sending a thing.
+            assert "could not prove it knows the token" in result.stderr, result.stderr
+            # The server says someone failed the token check.
+            poll(lambda: any("token check" in m for m in caplog.messages),
+                 5, f"the server's note in its log, got {caplog.messages}")
         assert len(server.store) == 0 and server.store.received == 0
         assert "the real token" not in result.stderr + "\n".join(caplog.messages)
 
@@ -349,19 +352,21 @@ def test_missing_token_is_logged_by_the_server(monkeypatch: pytest.MonkeyPatch,
 def test_raw_peer_with_a_wrong_proof_gets_a_refusal_and_its_frame_is_never_read(
         caplog: pytest.LogCaptureFixture) -> None:
     with thing.Server(port=0, token="t0ken") as server:
+        hello = {"hostname": "intruder", "pid": 1, "nonce": auth.new_nonce()}
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as peer:
-            peer.sendall(wire.encode_handshake({"hostname": "intruder", "pid": 1}))
+            peer.sendall(wire.encode_handshake(hello))
             status, challenge = recv_handshake(peer)
             assert status == wire.HANDSHAKE_CHALLENGE and len(challenge["nonce"]) >= 32
             # A wrong proof, and a frame right behind it, as if the answer did not matter.
-            peer.sendall(wire.encode_handshake({"proof": auth.proof("guess", challenge["nonce"])})
+            guess = auth.client_proof("guess", hello["nonce"], challenge["nonce"])
+            peer.sendall(wire.encode_handshake({"proof": guess})
                          + frame_bytes(np.ones(100), "smuggled"))
             status, refusal = recv_handshake(peer)
             assert status == wire.HANDSHAKE_REFUSED and "token" in refusal["error"]
             assert stored_acks(read_to_end(peer)) == 0
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as peer:
             # No answer to the challenge at all: a frame where the proof should be.
-            peer.sendall(wire.encode_handshake({"hostname": "intruder", "pid": 1}))
+            peer.sendall(wire.encode_handshake(hello))
             assert recv_handshake(peer)[0] == wire.HANDSHAKE_CHALLENGE
             peer.sendall(frame_bytes(np.ones(100), "smuggled"))
             assert stored_acks(read_to_end(peer)) == 0
@@ -436,20 +441,23 @@ def test_token_comparison_is_constant_time(monkeypatch: pytest.MonkeyPatch) -> N
         return real(a, b)
 
     monkeypatch.setattr(thing.auth.hmac, "compare_digest", spy)
-    nonce = auth.new_nonce()
-    assert auth.verify("k", nonce, auth.proof("k", nonce))
-    assert not auth.verify("k", nonce, auth.proof("other", nonce))
-    assert not auth.verify("k", nonce, "short")  # a length mismatch goes through it too
-    assert not auth.verify("k", nonce, "\ud800" * 64)  # unencodable text is no crash
-    assert len(calls) == 4
-    assert not auth.verify("k", nonce, None) and not auth.verify("k", nonce, 5)
-    with thing.Server(port=0, token="k") as server:  # and the server's handshake uses verify
+    ours, theirs = auth.new_nonce(), auth.new_nonce()
+    expected = auth.client_proof("k", ours, theirs)
+    assert auth.verify(expected, auth.client_proof("k", ours, theirs))
+    assert not auth.verify(expected, auth.client_proof("other", ours, theirs))
+    assert not auth.verify(expected, auth.server_proof("k", ours, theirs))  # roles differ
+    assert not auth.verify(expected, "short")  # a length mismatch goes through it too
+    assert not auth.verify(expected, "\ud800" * 64)  # unencodable text is no crash
+    assert len(calls) == 5
+    assert not auth.verify(expected, None) and not auth.verify(expected, 5)
+    with thing.Server(port=0, token="k") as server:
         client = thing.Client("127.0.0.1", server.port, token="k")
         try:
             assert client.catch(np.ones(2), name="x").wait(10)
         finally:
             client.close()
-    assert len(calls) == 5
+    # Both proofs in the handshake, the frame's signature and the ack's: all compared so.
+    assert len(calls) == 9
 
 
 # -- stalled and slow peers -------------------------------------------------------------------
@@ -697,3 +705,50 @@ def test_text_a_peer_chooses_cannot_break_or_hijack_the_terminal(field: str, evi
         env=script_env(PYTHONIOENCODING="utf-8"), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "shown" in result.stdout, result.stderr[-3000:]
     assert "\x1b" not in result.stdout  # rich styles nothing into a pipe: any ESC is the peer's
+
+
+# -- the token file ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flaw", ["world-writable", "a-symlink"])
+def test_the_token_file_is_never_written_into_a_directory_others_control(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        flaw: str) -> None:
+    home, runtime, elsewhere = tmp_path / "home", tmp_path / "run", tmp_path / "elsewhere"
+    for directory in (home, runtime, elsewhere):
+        directory.mkdir(mode=0o700)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("THING_TOKEN", raising=False)
+    if flaw == "world-writable":  # ~/.thing that anyone may plant files in
+        monkeypatch.setenv("XDG_RUNTIME_DIR", "")
+        (home / ".thing").mkdir()
+        (home / ".thing").chmod(0o777)
+    else:  # $XDG_RUNTIME_DIR/thing pointing at the victim's own notes
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+        (runtime / "thing").symlink_to(elsewhere)
+    port = free_port()
+    notes = elsewhere / f"token-{port}"
+    notes.write_text("my notes")
+    with caplog.at_level(logging.WARNING, logger="thing"):
+        server = thing.Server(port=port, host="0.0.0.0").start()
+    try:
+        assert server.token  # it still requires one, and says so
+        message = next(m for m in caplog.messages if "export THING_TOKEN=" in m)
+        assert "No token file was written" in message and "not a private directory" in message
+        assert notes.read_text() == "my notes"
+        assert list((home / ".thing").iterdir() if flaw == "world-writable" else []) == []
+    finally:
+        server.close()
+    assert notes.read_text() == "my notes"
+
+
+def test_a_token_file_others_can_read_is_not_used(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    directory = tmp_path / "thing"
+    directory.mkdir(mode=0o700)
+    (directory / "token-4242").write_text("secret")
+    (directory / "token-4242").chmod(0o644)
+    assert auth.client_token(4242) is None
+    (directory / "token-4242").chmod(0o600)
+    assert auth.client_token(4242) == "secret"

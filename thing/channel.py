@@ -34,6 +34,7 @@ from .sockets import (
     connect,
     connect_unix,
     is_this_host,
+    peer_uid,
     set_timeouts,
     shutdown,
     unix_socket_path,
@@ -129,7 +130,6 @@ class Channel:
         self._sock: socket.socket | None = None
         self._lost = False  # the reader saw the connection end; the sender must reconnect
         self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
-        self._unix_refused = False  # the Unix socket turned us away: go by TCP
         self._closed = False
         self._warned: set[str] = set()
         # Until the first attempt to connect has failed, captures wait for it.
@@ -196,7 +196,7 @@ class Channel:
         delay = 0.05
         while not self._closed:
             try:
-                sock = self._connect()
+                sock, mac = self._connect()
             except Exception as exc:  # the sender thread must outlive any failure to connect
                 if not isinstance(exc, (OSError, ProtocolError)):
                     self._log_once("connect", logging.ERROR,
@@ -209,19 +209,19 @@ class Channel:
                 delay = min(delay * 2, config.reconnect_interval())
                 continue
             delay = 0.05
-            self._serve(sock)
+            self._serve(sock, mac)
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
         """Send on one connection until it ends or the channel closes; then settle the in-flight."""
         with self._lock:
             self._sock, self.down, self._lost = sock, False, False
         reader = threading.Thread(
-            target=self._read_acks, args=(sock,), daemon=True,
+            target=self._read_acks, args=(sock, mac), daemon=True,
             name=f"thing-acks-{self.address[0]}:{self.address[1]}",
         )
         reader.start()
         try:
-            self._send_loop(sock)
+            self._send_loop(sock, mac)
         except (OSError, ProtocolError) as exc:
             if not self._closed:
                 log.warning("lost the thing server at %s:%d: %s", *self.address, exc)
@@ -246,38 +246,55 @@ class Channel:
                 self._fail_inflight("lost", "unacknowledged: the connection to the server was "
                                     "lost before it answered (it may or may not have stored it)")
 
-    def _open(self, same_host: bool) -> tuple[socket.socket, str]:
-        """Connect by the fastest path available: shared memory, Unix socket, else TCP."""
+    def _open(self, token: str | None) -> tuple[socket.socket, str]:
+        """Connect by the fastest safe path: shared memory or a Unix socket, else TCP.
+
+        On this host a Unix socket is used when it is there and its server is this
+        user's (checked with SO_PEERCRED, as the server checks us). TCP to this host
+        is another matter: any local user may be listening on the port before the
+        real server is. So without a token a client does not fall back to it
+        unless ``THING_TRANSPORT=tcp`` says so; with one, the server must prove it.
+        """
         host, port = self.address
         wanted = config.transport()
-        if same_host and wanted != "tcp" and is_this_host(host):
-            path = unix_socket_path(port)
+        if wanted == "tcp" or not is_this_host(host):
+            return connect(host, port, config.connect_timeout()), "tcp"
+        path = unix_socket_path(port, host)
+        why = f"no thing server of this user listens on this machine's Unix socket {path}"
+        if path is not None:
             try:
-                if path is not None and path.exists():
-                    sock = connect_unix(path, config.connect_timeout())
-                    return sock, "shm" if wanted == "shm" and shm.AVAILABLE else "unix"
+                sock = connect_unix(path, config.connect_timeout())
+            except FileNotFoundError:
+                pass
             except OSError as exc:
-                log.debug("Unix socket %s unusable (%s); trying TCP", path, exc)
+                why = f"the Unix socket {path} is unusable ({exc})"
+            else:
+                owner = peer_uid(sock)
+                if owner in (None, 0, os.getuid()):
+                    return sock, "shm" if wanted == "shm" and shm.AVAILABLE else "unix"
+                sock.close()
+                why = f"the Unix socket {path} is served by another user (uid {owner})"
+        if token is None:
+            raise HandshakeError(
+                f"{why}; without a token, thing sends to a server on this machine only through "
+                "that socket (another user could be listening on the TCP port). Set "
+                "THING_TRANSPORT=tcp to use TCP anyway (an ssh tunnel, a container), or "
+                "give both sides a token (THING_TOKEN)"
+            )
         return connect(host, port, config.connect_timeout()), "tcp"
 
-    def _connect(self) -> socket.socket:
-        sock, transport = self._open(same_host=not self._unix_refused)
+    def _connect(self) -> tuple[socket.socket, auth.SessionMac | None]:
         try:
-            self._handshake(sock)
-        except (OSError, ProtocolError) as exc:
-            sock.close()
-            if transport == "tcp":
-                raise
-            # The Unix socket is there but would not have us (another user's server
-            # behind a shared path, say): TCP may still, and from now on is tried first.
-            log.info("the Unix socket refused us (%s); using TCP", exc)
-            self._unix_refused = True
-            sock, transport = self._open(same_host=False)
-            try:
-                self._handshake(sock)
-            except BaseException:
-                sock.close()
-                raise
+            configured = auth.configured_token(self.token)
+        except ValueError as exc:
+            raise HandshakeError(str(exc)) from None
+        token = configured or auth.client_token(self.address[1])
+        sock, transport = self._open(token)
+        try:
+            # TCP to this host, unless forced, counts only if the server proves the token.
+            tcp_here = transport == "tcp" and config.transport() != "tcp" and is_this_host(
+                self.address[0])
+            mac = self._handshake(sock, token, configured is not None or tcp_here)
         except BaseException:
             sock.close()
             raise
@@ -285,28 +302,43 @@ class Channel:
             log.info("sending to the thing server at %s:%d over %s", *self.address,
                      _TRANSPORT_NAMES[transport])
         self.transport = transport
-        return sock
+        return sock, mac
 
-    def _handshake(self, sock: socket.socket) -> None:
+    def _handshake(self, sock: socket.socket, token: str | None,
+                   server_must_prove: bool) -> auth.SessionMac | None:
+        """Greet the server; with a token, each side proves it. Returns the session's MAC."""
         host, port = self.address
-        send_buffers(sock, [wire.encode_handshake(_identity())])
+        client_nonce = auth.new_nonce()
+        send_buffers(sock, [wire.encode_handshake({**_identity(), "nonce": client_nonce})])
         status, info = wire.recv_handshake(sock)
-        token = None
+        mac = None
         if status == wire.HANDSHAKE_CHALLENGE:
+            server_nonce = str(info.get("nonce", ""))
+            if token is not None and not auth.verify(
+                    auth.server_proof(token, client_nonce, server_nonce), info.get("proof")):
+                raise HandshakeError(
+                    f"the server at {host}:{port} could not prove it knows the token: it is "
+                    "not the server you meant (or the tokens differ); not sending to it")
             # Without a token, answer anyway, so the server can say why it refuses us.
-            token = auth.client_token(port, self.token)
-            nonce = str(info.get("nonce", ""))
-            answer = {"proof": auth.proof(token, nonce) if token else ""}
-            send_buffers(sock, [wire.encode_handshake(answer)])
+            proof = "" if token is None else auth.client_proof(token, client_nonce, server_nonce)
+            send_buffers(sock, [wire.encode_handshake({"proof": proof})])
             status, info = wire.recv_handshake(sock)
+            if token is not None:
+                mac = auth.SessionMac(token, client_nonce, server_nonce)
+        elif status == wire.HANDSHAKE_OK and server_must_prove:
+            raise HandshakeError(
+                f"the server at {host}:{port} did not ask for the token, so it cannot prove "
+                "it is yours (another user's, listening first?); not sending to it")
         if status != wire.HANDSHAKE_OK:
-            if token is None and "token" in str(info.get("error", "")):
+            error = wire.printable(str(info.get("error", "?")))
+            if token is None and "token" in error:
                 raise HandshakeError(
                     f"the server at {host}:{port} requires a token: set THING_TOKEN "
                     "to the value the server printed"
                 )
-            raise HandshakeError(f"server refused the connection: {info.get('error', '?')}")
+            raise HandshakeError(f"server refused the connection: {error}")
         set_timeouts(sock, config.send_timeout(), None)
+        return mac
 
     def _take_queue(self, reason: str) -> list[Pending]:
         """Empty the queue, giving back its room and counting it (the caller holds the lock)."""
@@ -331,7 +363,7 @@ class Channel:
             else:
                 log.debug("no thing server at %s:%d (%s); will keep trying", *self.address, reason)
 
-    def _send_loop(self, sock: socket.socket) -> None:
+    def _send_loop(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
         while True:
             with self._lock:
                 while not self._queue and not self._closed and not self._lost:
@@ -349,7 +381,7 @@ class Channel:
                     batch.append((seq, pending))
                 undelivered = dict(self._room.undelivered)
             for seq, pending in batch:
-                self._send(sock, seq, pending, undelivered)
+                self._send(sock, mac, seq, pending, undelivered)
 
     def _gather(self) -> None:
         """Let small captures wait a moment for company (the caller holds the lock).
@@ -370,7 +402,7 @@ class Channel:
                 return
             self._lock.wait(remaining)
 
-    def _send(self, sock: socket.socket, seq: int, pending: Pending,
+    def _send(self, sock: socket.socket, mac: auth.SessionMac | None, seq: int, pending: Pending,
               undelivered: dict[str, int]) -> None:
         payload = pending.payload
         try:
@@ -382,7 +414,7 @@ class Channel:
                            "thing could not send %r: %s", pending.name, exc)
             return
         if self.transport == "shm" and payload.nbytes >= config.shm_threshold():
-            sent = self._send_shared(sock, header, payload, views)
+            sent = self._send_shared(sock, mac, header, payload, views)
         else:
             sent = False
         if not sent:
@@ -393,14 +425,13 @@ class Channel:
                 # Whether a torch tensor moved on is known only once its bytes are in the kernel.
                 send_buffers(sock, buffers)
                 buffers = []
-            trailer = wire.encode_trailer(any(torn(leaf) for leaf in payload.leaves))
+            trailer = _trailer(mac, prefix, header, payload)
             send_buffers(sock, [*buffers, trailer])
         # The bytes are in the kernel: drop our references so the arrays can be freed.
         payload.leaves.clear()
 
-    def _send_shared(
-        self, sock: socket.socket, header: bytes, payload: wire.Payload, views: list
-    ) -> bool:
+    def _send_shared(self, sock: socket.socket, mac: auth.SessionMac | None, header: bytes,
+                     payload: wire.Payload, views: list) -> bool:
         """Hand the payload over in a sealed memfd; False (and nothing sent) if that fails."""
         try:
             fd = shm.export(views)
@@ -410,8 +441,7 @@ class Channel:
             return False
         try:
             prefix = wire.encode_prefix(header, payload.nbytes, wire.KIND_SHARED_MEMORY)
-            trailer = wire.encode_trailer(any(torn(leaf) for leaf in payload.leaves))
-            message = prefix + header + trailer
+            message = prefix + header + _trailer(mac, prefix, header, payload)
             sent = socket.send_fds(sock, [message], [fd])
             if sent < len(message):  # only a signal or a timeout splits a message this small
                 send_buffers(sock, [memoryview(message)[sent:]])
@@ -421,15 +451,18 @@ class Channel:
 
     # -- acknowledgement reader ----------------------------------------------------
 
-    def _read_acks(self, sock: socket.socket) -> None:
+    def _read_acks(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
         prefix = bytearray(wire.ACK.size)
+        signature = bytearray(auth.MAC_BYTES)
         try:
             while True:
                 recv_buffers(sock, [prefix])
                 status, length, seq, capture_id = wire.decode_ack(bytes(prefix))
                 message = bytearray(length)
-                if length:
-                    recv_buffers(sock, [message])
+                recv_buffers(sock, [message] if mac is None else [message, signature])
+                if mac is not None and not mac.check(signature, prefix, message):
+                    raise ProtocolError("an acknowledgement's signature does not match: it did "
+                                        "not come from the server that proved the token")
                 with self._lock:
                     oldest = next(iter(self._inflight), None)
                 if seq == wire.SEQ_OLDEST_UNANSWERED and oldest is not None:
@@ -481,6 +514,13 @@ class Channel:
         if key not in self._warned and len(self._warned) < 1000:
             self._warned.add(key)
             log.log(level, message, *args, exc_info=exc_info)
+
+
+def _trailer(mac: auth.SessionMac | None, prefix: bytes, header: bytes,
+             payload: wire.Payload) -> bytes:
+    """A frame's trailer, once its bytes are sent: whether it is consistent, and its MAC."""
+    trailer = wire.encode_trailer(any(torn(leaf) for leaf in payload.leaves))
+    return trailer if mac is None else trailer + mac.sign(prefix, header, trailer)
 
 
 def _meta(pending: Pending, undelivered: dict[str, int]) -> dict[str, Any]:

@@ -112,6 +112,9 @@ class Connection:
         self.sender = Sender(address)
         self._acks: list[bytes] = []
         self._mid_frame = False  # a frame's prefix arrived and it is not answered yet
+        # With a token: signs the acks and checks the frames (see auth.py).
+        self.mac: auth.SessionMac | None = None
+        self._trailer_size = wire.FRAME_TRAILER.size
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
 
@@ -134,12 +137,7 @@ class Connection:
             raise
         info = wire.decode_handshake_info(self._recv_exact(length))
         if settings.token is not None:
-            nonce = auth.new_nonce()
-            send_buffers(sock, [wire.encode_handshake({"nonce": nonce}, wire.HANDSHAKE_CHALLENGE)])
-            _, answer = wire.recv_handshake(sock)
-            if not auth.verify(settings.token, nonce, answer.get("proof")):
-                self._refuse("wrong or missing token (set THING_TOKEN to the server's token)")
-                raise HandshakeError("refused: wrong or missing token")
+            self._authenticate(settings.token, info.get("nonce"))
         send_buffers(sock, [wire.encode_handshake({"server": "thing", "pid": os.getpid()})])
         settings.deadlines.stop(sock)
         self.sender = Sender(
@@ -148,6 +146,28 @@ class Connection:
             pid=_int_or(info.get("pid"), 0),
         )
         return self.sender
+
+    def _authenticate(self, token: str, client_nonce: Any) -> None:
+        """Prove the token to the client, have it prove the token back, start signing."""
+        if not (isinstance(client_nonce, str) and 32 <= len(client_nonce) <= 128):
+            self._refuse("no client nonce: install the same thing version on both sides")
+            raise HandshakeError("refused: a hello without a nonce")
+        server_nonce = auth.new_nonce()
+        challenge = {"nonce": server_nonce,
+                     "proof": auth.server_proof(token, client_nonce, server_nonce)}
+        send_buffers(self.sock, [wire.encode_handshake(challenge, wire.HANDSHAKE_CHALLENGE)])
+        try:
+            _, answer = wire.recv_handshake(self.sock)
+        except ConnectionError:
+            # A client with another token refuses our proof and hangs up: say so in the REPL.
+            raise HandshakeError("a client hung up at the token check (its token differs from "
+                                 "this server's?)") from None
+        if not auth.verify(auth.client_proof(token, client_nonce, server_nonce),
+                           answer.get("proof")):
+            self._refuse("wrong or missing token (set THING_TOKEN to the server's token)")
+            raise HandshakeError("refused: wrong or missing token")
+        self.mac = auth.SessionMac(token, client_nonce, server_nonce)
+        self._trailer_size = wire.FRAME_TRAILER.size + auth.MAC_BYTES
 
     def _refuse(self, reason: str) -> None:
         send_buffers(self.sock, [wire.encode_handshake({"error": reason}, wire.HANDSHAKE_REFUSED)])
@@ -170,11 +190,11 @@ class Connection:
                     self._flush_acks()
         except ProtocolError as exc:
             # The stream can no longer be followed: answer the frame, then hang up.
-            self._acks.append(wire.encode_ack(wire.SEQ_OLDEST_UNANSWERED, -1, str(exc)[:1000]))
+            self._answer(wire.encode_ack(wire.SEQ_OLDEST_UNANSWERED, -1, str(exc)[:1000]))
             raise
         except OSError as exc:
             if self._mid_frame:  # cut off, or too slow: tell the peer, if it still listens
-                self._acks.append(wire.encode_ack(
+                self._answer(wire.encode_ack(
                     wire.SEQ_OLDEST_UNANSWERED, -1, f"the frame did not arrive whole: {exc}"))
             raise
         finally:
@@ -197,8 +217,7 @@ class Connection:
             return False  # a clean close between frames
         self._mid_frame = True
         try:
-            ack = self._receive_rest(prefix, fds)  # which may flush (and replace) self._acks
-            self._acks.append(ack)
+            self._answer(self._receive_rest(prefix, fds))
             self._mid_frame = False
         except ProtocolError:
             settings.counts.add(dropped_transfers=1)
@@ -219,37 +238,45 @@ class Connection:
         shared = kind == wire.KIND_SHARED_MEMORY
         if len(fds) != shared:
             raise ProtocolError(f"a frame of kind {kind} came with {len(fds)} descriptors")
-        in_stream = (0 if shared else payload_len) + wire.FRAME_TRAILER.size
+        payload_in_stream = 0 if shared else payload_len
         # The whole frame must arrive at a minimum rate, so a peer that trickles cannot
         # hold a reservation (or a discard) for ever.
-        settings.deadlines.start(self.sock, settings.idle_timeout
-                                 + (header_len + in_stream) / settings.min_rate)
+        settings.deadlines.start(self.sock, settings.idle_timeout + (
+            header_len + payload_in_stream + self._trailer_size) / settings.min_rate)
+        # Every frame is numbered and signed, refused ones too: none can be slipped in.
+        signature = None if self.mac is None else self.mac.incoming()
+        if signature is not None:
+            signature.update(prefix)
         try:
             wire.check_frame_size(header_len, payload_len, settings.limits)
         except LimitExceeded as exc:
-            return self._skip(header_len + in_stream, wire.SEQ_OLDEST_UNANSWERED, None, exc)
+            self._discard(header_len, signature)
+            return self._skip(payload_in_stream, signature, wire.SEQ_OLDEST_UNANSWERED, None, exc)
         raw_header = self._recv_exact(header_len)
+        if signature is not None:
+            signature.update(raw_header)
         try:
             header = wire.decode_header(raw_header, payload_len, settings.limits)
         except LimitExceeded as exc:
-            return self._skip(in_stream, wire.SEQ_OLDEST_UNANSWERED, None, exc)
+            return self._skip(payload_in_stream, signature, wire.SEQ_OLDEST_UNANSWERED, None,
+                              exc)
         del raw_header
         try:
             settings.store.reserve(payload_len)
         except LimitExceeded as exc:
-            return self._skip(in_stream, header.seq, header.name, exc)
+            return self._skip(payload_in_stream, signature, header.seq, header.name, exc)
         stored = False
         try:
-            if in_stream - wire.FRAME_TRAILER.size >= SMALL_BYTES:
+            if payload_in_stream >= SMALL_BYTES:
                 self._flush_acks()  # the frames before this one need not wait for its payload
-            trailer = bytearray(wire.FRAME_TRAILER.size)
+            trailer = bytearray(self._trailer_size)
             if shared:
                 arrays = shm.adopt(fds.pop(), header.leaves)
                 recv_buffers(self.sock, [trailer])
             else:
                 arrays = [settings.buffers.array(spec) for spec in header.leaves]
                 recv_buffers(self.sock, [array for array in arrays if array.nbytes] + [trailer])
-            modified = wire.decode_trailer(bytes(trailer))
+            modified = self._check_trailer(trailer, signature)
             meta = header.meta
             sender = _sender_of(meta, self.sender)
             undelivered = _undelivered_of(meta)
@@ -276,13 +303,29 @@ class Connection:
         settings.counts.add(received=1)
         return wire.encode_ack(header.seq, capture.id)
 
-    def _skip(self, unread: int, seq: int, name: str | None, why: LimitExceeded) -> bytes:
+    def _check_trailer(self, trailer: bytearray, signature: Any) -> bool:
+        """Check a received trailer (and its signature); return the not-consistent flag."""
+        size = wire.FRAME_TRAILER.size
+        if signature is not None:
+            signature.update(trailer[:size])
+            if not auth.matches(signature, trailer[size:]):
+                raise ProtocolError("a frame's signature does not match: it was not sent by "
+                                    "the client that proved the token, or was altered")
+        return wire.decode_trailer(bytes(trailer[:size]))
+
+    def _skip(self, payload_bytes: int, signature: Any, seq: int, name: str | None,
+              why: LimitExceeded) -> bytes:
         """Read past a refused frame, so the connection and the frames after it go on."""
         what = "a capture" if name is None else repr(name)
         self.settings.warn(self.address, f"refused {what} from {self.address}: {why}")
-        self._discard(unread)
+        self._discard(payload_bytes)
+        self._check_trailer(bytearray(self._recv_exact(self._trailer_size)), signature)
         self.settings.counts.add(dropped_transfers=1)
         return wire.encode_ack(seq, -1, str(why)[:1000])
+
+    def _answer(self, ack: bytes) -> None:
+        """Queue an acknowledgement, signed when the connection is."""
+        self._acks.append(ack if self.mac is None else ack + self.mac.sign(ack))
 
     def _flush_acks(self) -> None:
         if self._acks:
@@ -336,11 +379,14 @@ class Connection:
         recv_buffers(self.sock, [buffer])
         return bytes(buffer)
 
-    def _discard(self, size: int) -> None:
+    def _discard(self, size: int, signature: Any = None) -> None:
+        """Read and drop ``size`` bytes (feeding them to ``signature``, if given)."""
         scratch = bytearray(min(size, 1 << 20))
         while size:
             chunk = memoryview(scratch)[: min(size, len(scratch))]
             recv_buffers(self.sock, [chunk])
+            if signature is not None:
+                signature.update(chunk)
             size -= len(chunk)
 
 

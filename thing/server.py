@@ -7,7 +7,6 @@ others. The :class:`Server` is also what the REPL functions query.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
@@ -24,6 +23,7 @@ from .sockets import (
     listen,
     listen_unix,
     peer_uid,
+    remove_unix_socket,
     shutdown,
     tune_stream,
     unix_socket_path,
@@ -66,6 +66,7 @@ class Server:
         self._listener: socket.socket | None = None
         self._unix_listener: socket.socket | None = None
         self.unix_path: Path | None = None  # the same-host Unix socket, while running
+        self._unix_inode = 0  # the socket file we bound there: the only one we remove
         self._connections: dict[socket.socket, Sender] = {}
         self.min_rate = config.min_frame_rate()
         self._deadlines = receiver.Deadlines()
@@ -82,18 +83,19 @@ class Server:
         """Bind, listen and start accepting in a background thread; return ``self``."""
         if self._listener is not None:
             return self
+        self.token = auth.configured_token(self._configured_token)  # THING_TOKEN="": an error
         self._listener = listen(self.host, self.port)
         self.port = self._listener.getsockname()[1]
-        self.token = self._configured_token or os.environ.get("THING_TOKEN") or None
         if self.token is None and not auth.is_loopback(self.host):
             self.token, self._generated_token = secrets.token_urlsafe(32), True
-            path = auth.write_token_file(self.port, self.token)
+            try:
+                path = auth.write_token_file(self.port, self.token)
+                where = f"Clients of this user here read it from {path}"
+            except (auth.TokenFileError, OSError) as exc:
+                where = f"No token file was written ({exc}), so clients here need it set too"
             log.warning(
-                "Listening on %s, beyond this machine, so clients need a token. Clients of "
-                "this user here read it from %s; elsewhere run:  export THING_TOKEN=%s",
-                self.host,
-                path,
-                self.token,
+                "Listening on %s, beyond this machine, so clients need a token. %s; "
+                "elsewhere run:  export THING_TOKEN=%s", self.host, where, self.token,
             )
         self._closing.clear()
         self._spawn(self._accept_loop, "thing-accept", self._listener)
@@ -104,14 +106,15 @@ class Server:
 
     def _listen_on_this_host(self) -> None:
         """Also listen on a Unix socket, the fast path for clients on this machine."""
-        path = unix_socket_path(self.port)
-        if path is None:
-            log.debug("no private directory for a Unix socket; TCP only")
-            return
+        path = unix_socket_path(self.port, self.host)
         try:
-            self._unix_listener = listen_unix(path)
+            if path is None:
+                raise OSError("no private directory of this user's for it")
+            self._unix_listener, self._unix_inode = listen_unix(path)
         except OSError as exc:
-            log.debug("cannot listen on %s (%s); TCP only", path, exc)
+            # Clients on this machine without a token use only that socket (see channel.py).
+            log.warning("No Unix socket for this server (%s): clients on this machine need "
+                        "a token, or THING_TRANSPORT=tcp, to reach it.", exc)
             return
         self.unix_path = path
         self._spawn(self._accept_loop, "thing-accept-unix", self._unix_listener)
@@ -138,8 +141,7 @@ class Server:
         if self._unix_listener is not None:
             self._unix_listener.close()
             self._unix_listener = None
-            with contextlib.suppress(OSError):
-                self.unix_path.unlink()
+            remove_unix_socket(self.unix_path, self._unix_inode)  # ours only, still ours
             self.unix_path = None
         if self._generated_token and self.token is not None:
             auth.remove_token_file(self.port, self.token)

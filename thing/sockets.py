@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import os
 import socket
@@ -113,41 +114,78 @@ def listen(host: str, port: int, backlog: int = 128) -> socket.socket:
 # -- the same-host path ---------------------------------------------------------
 
 
-def unix_socket_path(port: int) -> Path | None:
-    """Where the server of TCP ``port`` also listens on this host; None if nowhere is safe.
+def private_directory(directory: Path) -> bool:
+    """Create ``directory`` (0700) if missing; True if it is a real directory only we can use.
+
+    Not a symlink, owned by this user, no access for group or others: otherwise
+    another user could read or replace what is put there.
+    """
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = directory.lstat()
+    except OSError:
+        return False
+    return (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+            and not info.st_mode & 0o077)
+
+
+# Hosts whose server's socket is named after the port alone: what a client on this
+# machine reaches as "localhost" (a server bound to loopback or to every interface).
+_PLAIN_HOSTS = frozenset({"", "localhost", "127.0.0.1", "::1", "0.0.0.0", "::"})
+
+
+def unix_socket_path(port: int, host: str = "127.0.0.1") -> Path | None:
+    """Where the server of TCP ``host:port`` also listens on this host; None if nowhere is safe.
 
     The directory is ``$XDG_RUNTIME_DIR/thing`` (else ``<tmp>/thing-<uid>``),
     mode 0700 and owned by this user: nobody else can even reach the socket.
+    A server bound to loopback or to every interface is ``<port>.sock``; one
+    bound to another address (127.0.0.2, a LAN address) is ``<address>-<port>.sock``,
+    so two such servers of one user on one port keep apart.
     """
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
     if runtime and os.path.isdir(runtime):
         directory = Path(runtime) / "thing"
     else:
         directory = Path(tempfile.gettempdir()) / f"thing-{os.getuid()}"
-    try:
-        directory.mkdir(mode=0o700, exist_ok=True)
-        info = directory.lstat()
-    except OSError:
+    if not private_directory(directory):
         return None
-    private = stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
-    if not private or info.st_mode & 0o077:
-        return None
-    return directory / f"{port}.sock"
+    if host in _PLAIN_HOSTS or host in (socket.gethostname(), socket.getfqdn()):
+        return directory / f"{port}.sock"
+    return directory / f"{host.replace(':', '_').replace('/', '_')}-{port}.sock"
 
 
-def listen_unix(path: Path, backlog: int = 128) -> socket.socket:
-    """Bind and listen on the Unix socket ``path``, replacing a stale one left by a dead server."""
+def listen_unix(path: Path, backlog: int = 128) -> tuple[socket.socket, int]:
+    """Bind and listen on the Unix socket ``path``; return it and the inode it bound.
+
+    A socket file left by a dead server (nothing accepts on it) is replaced; one
+    a live server listens on is not (``EADDRINUSE``).
+    """
+    if path.is_socket():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path))
+            except OSError:
+                path.unlink(missing_ok=True)  # stale
+            else:
+                raise OSError(errno.EADDRINUSE, f"a live server listens on {path}")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        if path.is_socket():
-            path.unlink()
         sock.bind(str(path))
         os.chmod(path, 0o600)
+        inode = os.stat(path).st_ino
         sock.listen(backlog)
     except BaseException:
         sock.close()
         raise
-    return sock
+    return sock, inode
+
+
+def remove_unix_socket(path: Path, inode: int) -> None:
+    """Remove the socket file at ``path`` if it is still the one we bound (``inode``)."""
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == inode:
+            path.unlink()
 
 
 def connect_unix(path: Path, timeout: float) -> socket.socket:

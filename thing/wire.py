@@ -20,7 +20,7 @@ from .arrays import CARRIER_DTYPES, FRAMEWORKS, Leaf, LeafSpec, describe_leaf, f
 from .errors import HandshakeError, LimitExceeded, ProtocolError, UnsupportedType
 
 MAGIC = b"THNG"
-VERSION = 1
+VERSION = 2
 
 # magic, protocol version, status (0 = ok) or flags, length of the JSON that follows
 HANDSHAKE = struct.Struct("<4sHHI")
