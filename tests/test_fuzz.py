@@ -37,7 +37,7 @@ import thing
 from thing import wire
 from thing.buffers import ReceiveBuffers
 from thing.errors import ProtocolError
-from thing.receiver import Connection, Deadlines, ReceiveCounts, ReceiveSettings
+from thing.receiver import Connection, Deadlines, HeaderBudget, ReceiveCounts, ReceiveSettings
 from thing.store import HistoryStore
 
 from .conftest import open_fds, poll
@@ -179,7 +179,8 @@ def read_like_the_server(data: bytes, limits: wire.Limits = LIMITS,
     store = HistoryStore(max_bytes=256 << 20)
     settings = ReceiveSettings(
         store=store, buffers=ReceiveBuffers(0), limits=limits, token=None, idle_timeout=2.0,
-        min_rate=float(1 << 20), deadlines=Deadlines(), counts=ReceiveCounts(),
+        min_rate=float(1 << 20), deadlines=Deadlines(), header_budget=HeaderBudget(64 << 20),
+        counts=ReceiveCounts(),
         closing=threading.Event(), warn=lambda address, message: None,
     )
     ours, theirs = socket.socketpair()
@@ -404,6 +405,10 @@ def nasty_frames() -> dict[str, bytes]:
         "trailer-all-flags": header_frame(_document(), payload24,
                                           trailer=wire.FRAME_TRAILER.pack(b"TE", 0xFFFF, 0)),
         "payload-truncated": header_frame(_document(), payload24)[:-20],
+        # A claim that would once have evicted the history before a byte of it arrived.
+        # (Headers too costly to parse need ~1 MiB: tests/test_memory_bounds.py sends them.)
+        "payload-claims-most-of-a-store-then-stops": header_frame(
+            _with_leaves(["numpy", "uint8", [60 << 20], False]), b"", payload_len=60 << 20),
     }
     return {**handshakes, **{name: HELLO + frame for name, frame in frames.items()}}
 

@@ -253,6 +253,7 @@ def test_summary_shows_each_name_and_the_counts(default: thing.Server, capsys) -
 
 def test_summary_marks_inconsistent_captures(default: thing.Server, capsys) -> None:
     default.store.reserve(4)
+    default.store.fill(4)
     default.store.add("torn", np.zeros(1, np.float32), (), 4, Sender("x:1"), consistent=False)
     thing.summary()
     out = capsys.readouterr().out
@@ -266,7 +267,7 @@ def test_summary_of_an_empty_server(default: thing.Server, capsys) -> None:
 
 def test_eviction_under_a_byte_cap_with_a_real_client(monkeypatch, capsys) -> None:
     monkeypatch.setenv("COLUMNS", "200")
-    store = HistoryStore(max_bytes=3 * (4000 + RECORD_BYTES) + 100)
+    store = HistoryStore(max_bytes=3 * (4000 + RECORD_BYTES + 51) + 100)  # three named "w"
     with thing.Server(port=0, store=store) as server:
         monkeypatch.setattr(thing.repl, "_server", server)
         out = send(server.port, """

@@ -219,9 +219,12 @@ def test_summary_shows_transfers_cut_mid_frame_and_refused_connections(
         with raw_peer(server.port) as peer:
             peer.sendall(frame[: len(frame) // 2])  # then the connection ends mid-payload
         poll(lambda: not server.clients(), 10, "the cut connection to be dropped")
-        with raw_peer(server.port), socket.create_connection(("127.0.0.1", server.port)) as extra:
-            extra.settimeout(10)
-            assert extra.recv(1) == b""  # refused: over the connection cap
+        with raw_peer(server.port) as busy:
+            busy.sendall(frame[: len(frame) // 2])  # mid-frame: busy, so not closed for room
+            poll(lambda: server.store.held_bytes > 0, 10, "the busy peer's frame to start")
+            with socket.create_connection(("127.0.0.1", server.port)) as extra:
+                extra.settimeout(10)
+                assert extra.recv(1) == b""  # refused: over the connection cap
         poll(lambda: server.refused == 1, 10, "the refusal to be counted")
         capsys.readouterr()
         server.summary()

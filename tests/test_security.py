@@ -538,15 +538,19 @@ def test_a_peer_trickling_its_hello_is_dropped_after_the_handshake_timeout() -> 
         server.close()
 
 
-def test_connection_cap_refuses_the_extra_peer_with_a_log_line(
+def test_connection_cap_refuses_the_extra_peer_when_no_one_is_idle(
         caplog: pytest.LogCaptureFixture) -> None:
+    """Slots held by peers in the middle of a frame are not taken away: then the cap
+    refuses, with a log line; a slot freed is free again."""
     server = thing.Server(port=0)
     server.max_connections = 2
     server.start()
-    first, second = thing.Client("127.0.0.1", server.port), thing.Client("127.0.0.1", server.port)
+    frame = frame_bytes(np.arange(1 << 18, dtype=np.float32), "slow")
+    busy = [raw_peer(server.port, f"busy-{i}") for i in range(2)]
     try:
-        assert first.catch(np.ones(3), name="first").wait(10)
-        assert second.catch(np.ones(3), name="second").wait(10)
+        for peer in busy:
+            peer.sendall(frame[: len(frame) // 2])
+        poll(lambda: server.store.held_bytes >= 2 << 20, 10, "both frames under way")
         with caplog.at_level(logging.WARNING, logger="thing"):
             with socket.create_connection(("127.0.0.1", server.port), timeout=10) as third:
                 third.sendall(wire.encode_handshake({"hostname": "third", "pid": 1}))
@@ -554,19 +558,18 @@ def test_connection_cap_refuses_the_extra_peer_with_a_log_line(
             poll(lambda: any("refused" in m and "THING_MAX_CONNECTIONS" in m
                              for m in caplog.messages), 5, "the log line")
         assert server.refused == 1
-        for i in range(5):  # the two others never noticed
-            assert first.catch(np.full(3, i), name="first").wait(10)
-            assert second.catch(np.full(3, i), name="second").wait(10)
-        second.close()
-        poll(lambda: len(server.clients()) == 1, 10, "the second client to leave")
-        fourth = thing.Client("127.0.0.1", server.port)  # its slot is free again
+        busy[0].sendall(frame[len(frame) // 2 :])  # one finishes its frame...
+        busy[0].close()  # ... and leaves: its slot is free again
+        poll(lambda: len(server.clients()) == 1, 10, "the first peer to leave")
+        fourth = thing.Client("127.0.0.1", server.port)
         try:
             assert fourth.catch(np.ones(3), name="fourth").wait(10)
         finally:
             fourth.close()
+        assert server.get("slow").nbytes == 1 << 20
     finally:
-        first.close()
-        second.close()
+        for peer in busy:
+            peer.close()
         server.close()
 
 
@@ -752,3 +755,59 @@ def test_a_token_file_others_can_read_is_not_used(tmp_path: Path,
     assert auth.client_token(4242) is None
     (directory / "token-4242").chmod(0o600)
     assert auth.client_token(4242) == "secret"
+
+
+# -- slots: a silent crowd is no barrier ------------------------------------------------------
+
+
+def test_idle_peers_holding_every_slot_do_not_keep_a_client_out() -> None:
+    with thing.Server(port=0) as server:
+        server.max_connections = 16
+        idle = [raw_peer(server.port, f"idle-{i}") for i in range(16)]  # handshake, then nothing
+        try:
+            poll(lambda: len(server.clients()) == 16, what="the idle peers to take every slot")
+            client = thing.Client("127.0.0.1", server.port)
+            try:
+                assert client.catch(np.arange(4), name="legit").wait(15)
+            finally:
+                client.close()
+            assert server.get("legit").tolist() == [0, 1, 2, 3]
+            assert sum(closed_by_peer(peer) for peer in idle) >= 1  # the longest idle went
+        finally:
+            for peer in idle:
+                peer.close()
+
+
+def test_peers_that_never_answer_the_challenge_do_not_keep_a_token_client_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("THING_TOKEN", raising=False)
+    with thing.Server(port=0, token="right") as server:
+        server.max_connections = 16
+        stop = threading.Event()
+
+        def stall_forever() -> None:  # hello, never answer the challenge, reconnect at once
+            while not stop.is_set():
+                try:
+                    with socket.create_connection(("127.0.0.1", server.port), timeout=1) as peer:
+                        peer.sendall(wire.encode_handshake({"nonce": auth.new_nonce()}))
+                        while not stop.is_set() and peer.recv(4096):
+                            pass
+                except OSError:
+                    pass
+
+        attackers = [threading.Thread(target=stall_forever, daemon=True) for _ in range(24)]
+        for attacker in attackers:
+            attacker.start()
+        try:
+            stored = []
+            for i in range(5):
+                client = thing.Client("127.0.0.1", server.port, token="right")
+                try:
+                    stored.append(client.catch(i, name="legit").wait(15))
+                finally:
+                    client.close()
+            assert stored == [True] * 5
+        finally:
+            stop.set()
+            for attacker in attackers:
+                attacker.join(10)

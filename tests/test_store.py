@@ -18,14 +18,15 @@ SENDER = Sender("127.0.0.1:1", "host", 1)
 def put(store: HistoryStore, name: str | None, nbytes: int = 8, fill: int = 0, **details):
     """Receive one uint8 array of ``nbytes`` into ``store`` the way the server does."""
     store.reserve(nbytes)
+    store.fill(nbytes)
     value = np.full(nbytes, fill, np.uint8)
     spec = LeafSpec("numpy", "uint8", (nbytes,))
     return store.add(name, value, (spec,), nbytes, SENDER, **details)
 
 
-def cost(nbytes: int) -> int:
-    """What one ``put`` of ``nbytes`` holds against the cap."""
-    return nbytes + RECORD_BYTES
+def cost(nbytes: int, name: str = "x") -> int:
+    """What one ``put`` of ``nbytes`` under a name of ``name``'s length holds against the cap."""
+    return nbytes + RECORD_BYTES + 50 + len(name)  # the name is held too
 
 
 def test_get_by_name_index_and_id() -> None:
@@ -113,7 +114,7 @@ def test_max_versions_keeps_the_newest_of_each_name() -> None:
     assert [int(c.value[0]) for c in store.get_all("w")] == [3, 4]
     assert [int(c.value[0]) for c in store.get_all("other")] == [3, 4]
     assert store.evicted == 6
-    assert store.held_bytes == 4 * cost(8)
+    assert store.held_bytes == 2 * cost(8, "w") + 2 * cost(8, "other")
     with pytest.raises(ValueError):
         HistoryStore(max_versions=0)
 
@@ -125,19 +126,22 @@ def test_a_capture_larger_than_the_cap_is_refused_and_evicts_nothing() -> None:
         store.reserve(cost(1000) * 2)
     assert store.rejected == 1
     assert store.get("small") is kept
-    assert store.held_bytes == cost(1000)
+    assert store.held_bytes == cost(1000, "small")
 
 
 def test_reservations_are_accounted_and_released() -> None:
     store = HistoryStore(max_bytes=10_000)
     store.reserve(4000)
     store.reserve(4000)
-    assert store.held_bytes == 8000
+    assert store.held_bytes == 0  # a claim holds nothing until its bytes arrive
+    store.fill(4000)
+    store.fill(1000)
+    assert store.held_bytes == 5000
     # Captures still being received cannot be evicted: no room for a third.
     with pytest.raises(LimitExceeded, match="still being received"):
         store.reserve(4000)
-    store.release(4000)
-    store.release(4000)
+    store.release(4000, 4000)
+    store.release(4000, 1000)
     assert store.held_bytes == 0
     put(store, "x", 4000)
     assert store.held_bytes == cost(4000)
@@ -203,7 +207,7 @@ def test_wait_returns_the_next_capture_or_times_out() -> None:
 
 
 def test_concurrent_receivers_and_readers_keep_the_books_straight() -> None:
-    store = HistoryStore(max_bytes=50 * cost(1000))
+    store = HistoryStore(max_bytes=50 * cost(1000, "w0"))
     writers, per_writer = 4, 300
     errors: list[BaseException] = []
     stop = threading.Event()
@@ -245,9 +249,21 @@ def test_concurrent_receivers_and_readers_keep_the_books_straight() -> None:
     assert store.received == total
     assert len(store) + store.evicted == total
     assert len(store) == 50
-    assert store.held_bytes == 50 * cost(1000)
+    assert store.held_bytes == 50 * cost(1000, "w0")
     # Every kept capture's bytes are the ones written for it.
     for name in store.names():
         for capture in store.get_all(name):
             assert capture.value.nbytes == 1000
             assert np.all(capture.value == capture.value[0])
+
+
+def test_a_claim_evicts_nothing_only_arriving_bytes_do() -> None:
+    each = cost(1000, "n0")
+    store = HistoryStore(max_bytes=10 * each)
+    kept = [put(store, f"n{i}", 1000) for i in range(9)]
+    store.reserve(8 * each)  # a near-cap claim, its bytes not yet sent
+    assert len(store) == 9 and store.evicted == 0
+    store.fill(2 * each)  # as they arrive, the oldest make room, no more
+    assert store.evicted == 1 and store.get("n1") is kept[1]
+    store.release(8 * each, 2 * each)  # the frame is dropped: the rest stays
+    assert len(store) == 8 and store.held_bytes == 8 * each

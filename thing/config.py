@@ -136,8 +136,13 @@ def max_capture_bytes() -> int:
 
 
 def max_header_bytes() -> int:
-    """Largest metadata header a server accepts (``THING_MAX_HEADER_BYTES``, 16 MiB)."""
-    return _env_int("THING_MAX_HEADER_BYTES", 16 << 20)
+    """Largest metadata header a server accepts (``THING_MAX_HEADER_BYTES``, 1 MiB).
+
+    A header describes a capture's structure, not its data: a dict of 10,000
+    tensors takes about 600 KiB. Parsed, it may hold up to 32 times its size in
+    Python objects, which the store is charged for.
+    """
+    return _env_int("THING_MAX_HEADER_BYTES", 1 << 20)
 
 
 def idle_timeout() -> float:

@@ -26,18 +26,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from . import auth, shm, wire
 from ._core import recv_buffers, send_buffers
 from .buffers import ReceiveBuffers
 from .channel import NOT_DELIVERED_REASONS, SMALL_BYTES
 from .errors import HandshakeError, LimitExceeded, ProtocolError
 from .sockets import set_timeouts
-from .store import HistoryStore, Sender
+from .store import Capture, HistoryStore, Sender
 
 log = logging.getLogger("thing")
 
 # Acknowledgements sent in one write at most; a client waits for no more than this many.
 ACK_BATCH = 64
+# A payload is received (and the store makes room for it) this much at a time; a header
+# is read this much at a time, as it arrives.
+RECEIVE_CHUNK = 4 << 20
+HEADER_CHUNK = 64 << 10
 
 
 class Deadlines:
@@ -96,6 +102,7 @@ class ReceiveSettings:
     idle_timeout: float
     min_rate: float  # bytes per second a frame must average, after idle_timeout of grace
     deadlines: Deadlines
+    header_budget: HeaderBudget
     counts: ReceiveCounts
     closing: threading.Event
     warn: Callable[[str, str], None]  # (peer address, message), rate-limited per peer
@@ -112,11 +119,18 @@ class Connection:
         self.sender = Sender(address)
         self._acks: list[bytes] = []
         self._mid_frame = False  # a frame's prefix arrived and it is not answered yet
+        self.handshaken = False
+        self.since = time.monotonic()  # when it connected, then when its last frame ended
         # With a token: signs the acks and checks the frames (see auth.py).
         self.mac: auth.SessionMac | None = None
         self._trailer_size = wire.FRAME_TRAILER.size
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
+
+    @property
+    def busy(self) -> bool:
+        """True while a frame is being received."""
+        return self._mid_frame
 
     # -- handshake -----------------------------------------------------------------
 
@@ -138,6 +152,8 @@ class Connection:
         info = wire.decode_handshake_info(self._recv_exact(length))
         if settings.token is not None:
             self._authenticate(settings.token, info.get("nonce"))
+        # Proven (or no token asked): from now on it holds a slot like any client.
+        self.handshaken, self.since = True, time.monotonic()
         send_buffers(sock, [wire.encode_handshake({"server": "thing", "pid": os.getpid()})])
         settings.deadlines.stop(sock)
         self.sender = Sender(
@@ -219,6 +235,7 @@ class Connection:
         try:
             self._answer(self._receive_rest(prefix, fds))
             self._mid_frame = False
+            self.since = time.monotonic()
         except ProtocolError:
             settings.counts.add(dropped_transfers=1)
             self._mid_frame = False  # answered by serve() with the reason
@@ -252,56 +269,69 @@ class Connection:
         except LimitExceeded as exc:
             self._discard(header_len, signature)
             return self._skip(payload_in_stream, signature, wire.SEQ_OLDEST_UNANSWERED, None, exc)
-        raw_header = self._recv_exact(header_len)
+        raw_header = self._recv_header(header_len)
         if signature is not None:
             signature.update(raw_header)
-        try:
-            header = wire.decode_header(raw_header, payload_len, settings.limits)
-        except LimitExceeded as exc:
-            return self._skip(payload_in_stream, signature, wire.SEQ_OLDEST_UNANSWERED, None,
-                              exc)
-        del raw_header
-        try:
-            settings.store.reserve(payload_len)
-        except LimitExceeded as exc:
-            return self._skip(payload_in_stream, signature, header.seq, header.name, exc)
-        stored = False
-        try:
-            if payload_in_stream >= SMALL_BYTES:
-                self._flush_acks()  # the frames before this one need not wait for its payload
-            trailer = bytearray(self._trailer_size)
-            if shared:
-                arrays = shm.adopt(fds.pop(), header.leaves)
-                recv_buffers(self.sock, [trailer])
-            else:
-                arrays = [settings.buffers.array(spec) for spec in header.leaves]
-                recv_buffers(self.sock, [array for array in arrays if array.nbytes] + [trailer])
-            modified = self._check_trailer(trailer, signature)
-            meta = header.meta
-            sender = _sender_of(meta, self.sender)
-            undelivered = _undelivered_of(meta)
-            if undelivered:
-                settings.store.note_undelivered(sender, undelivered)
-            capture = settings.store.add(
-                None if header.name is None else wire.printable(header.name),
-                wire.ReceivedValue(header.tree, header.leaves, arrays),
-                header.leaves,
-                payload_len,
-                sender,
-                caught_at=_float_or(meta.get("caught_at")),
-                call_site=_str_or(meta.get("site")),
-                consistent=not modified,
-            )
-            stored = True
-        except LimitExceeded as exc:  # the whole frame was read: the stream is still in step
-            settings.warn(self.address, f"refused {header.name!r} from {self.address}: {exc}")
-            settings.counts.add(dropped_transfers=1)
-            return wire.encode_ack(header.seq, -1, str(exc))
-        finally:
-            if not stored:
-                settings.store.release(payload_len)
+        header = None
+        with _Charge(settings.store, settings.header_budget) as charge:
+            try:
+                # While the frame lasts, its header (the bytes, and what parsing them makes)
+                # is held against a budget all connections share: bounded, but never at
+                # the price of the history.
+                charge.hold_header(wire.header_cost(raw_header, settings.limits))
+                header = wire.decode_header(raw_header, payload_len, settings.limits)
+                del raw_header
+                charge.reserve(payload_len)
+            except LimitExceeded as exc:
+                if header is None:
+                    return self._skip(payload_in_stream, signature, wire.SEQ_OLDEST_UNANSWERED,
+                                      None, exc)
+                return self._skip(payload_in_stream, signature, header.seq, header.name, exc)
+            try:
+                capture = self._receive_payload(header, payload_len, fds, signature, charge)
+            except LimitExceeded as exc:  # the whole frame was read: still in step
+                settings.warn(self.address, f"refused {header.name!r} from {self.address}: {exc}")
+                settings.counts.add(dropped_transfers=1)
+                return wire.encode_ack(header.seq, -1, str(exc))
         settings.counts.add(received=1)
         return wire.encode_ack(header.seq, capture.id)
+
+    def _receive_payload(self, header: wire.FrameHeader, payload_len: int, fds: list[int],
+                         signature: Any, charge: _Charge) -> Capture:
+        """Receive a frame's arrays and trailer, charging the store as the bytes arrive."""
+        settings = self.settings
+        trailer = bytearray(self._trailer_size)
+        if fds:  # a shared-memory frame: its bytes are all there already
+            arrays = shm.adopt(fds.pop(), header.leaves)
+            charge.fill(payload_len)
+            recv_buffers(self.sock, [trailer])
+        else:
+            if payload_len >= SMALL_BYTES:
+                self._flush_acks()  # the frames before this one need not wait for its payload
+            arrays = [settings.buffers.array(spec) for spec in header.leaves]
+            views = [array.reshape(-1).view(np.uint8) for array in arrays if array.nbytes]
+            batches = _batches(views, RECEIVE_CHUNK)
+            for number, batch in enumerate(batches, 1):
+                charge.fill(sum(view.nbytes for view in batch))  # evicts only as bytes come
+                recv_buffers(self.sock, [*batch, trailer] if number == len(batches) else batch)
+        modified = self._check_trailer(trailer, signature)
+        meta = header.meta
+        sender = _sender_of(meta, self.sender)
+        undelivered = _undelivered_of(meta)
+        if undelivered:
+            settings.store.note_undelivered(sender, undelivered)
+        capture = settings.store.add(
+            None if header.name is None else wire.printable(header.name),
+            wire.ReceivedValue(header.tree, header.leaves, arrays),
+            header.leaves,
+            payload_len,
+            sender,
+            caught_at=_float_or(meta.get("caught_at")),
+            call_site=_str_or(meta.get("site")),
+            consistent=not modified,
+        )
+        charge.stored(payload_len)
+        return capture
 
     def _check_trailer(self, trailer: bytearray, signature: Any) -> bool:
         """Check a received trailer (and its signature); return the not-consistent flag."""
@@ -374,6 +404,15 @@ class Connection:
             prefix += data
         return prefix, fds
 
+    def _recv_header(self, size: int) -> bytes:
+        """A header of ``size`` bytes, read as they arrive: a claim allocates nothing."""
+        received = bytearray()
+        while len(received) < size:
+            chunk = bytearray(min(size - len(received), HEADER_CHUNK))
+            recv_buffers(self.sock, [chunk])
+            received += chunk
+        return bytes(received)
+
     def _recv_exact(self, size: int) -> bytes:
         buffer = bytearray(size)
         recv_buffers(self.sock, [buffer])
@@ -388,6 +427,85 @@ class Connection:
             if signature is not None:
                 signature.update(chunk)
             size -= len(chunk)
+
+
+class HeaderBudget:
+    """Bytes the headers of all frames being received may hold, parsed, at once.
+
+    A header's cost is counted before it is parsed (``wire.header_cost``); a
+    frame whose header does not fit is refused and read past. Real headers
+    take kilobytes: the budget only ever binds for a flood of them.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> None:
+        with self._lock:
+            if self._used + nbytes > self.max_bytes:
+                raise LimitExceeded(
+                    f"headers being received already hold {self._used} of {self.max_bytes} "
+                    f"bytes; this one would take {nbytes} more"
+                )
+            self._used += nbytes
+
+    def give_back(self, nbytes: int) -> None:
+        with self._lock:
+            self._used -= nbytes
+
+
+class _Charge:
+    """What one frame holds until it is stored or dropped: store claims, bytes, its header."""
+
+    def __init__(self, store: HistoryStore, header_budget: HeaderBudget):
+        self.store = store
+        self.header_budget = header_budget
+        self.reserved = 0
+        self.filled = 0
+        self.header = 0
+
+    def __enter__(self) -> _Charge:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.reserved or self.filled:
+            self.store.release(self.reserved, self.filled)
+        if self.header:
+            self.header_budget.give_back(self.header)
+
+    def hold_header(self, nbytes: int) -> None:
+        self.header_budget.take(nbytes)
+        self.header = nbytes
+
+    def reserve(self, nbytes: int) -> None:
+        self.store.reserve(nbytes)
+        self.reserved += nbytes
+
+    def fill(self, nbytes: int) -> None:
+        self.store.fill(nbytes)
+        self.filled += nbytes
+
+    def stored(self, nbytes: int) -> None:
+        """``nbytes`` now belong to a stored capture: the store keeps them, not this frame."""
+        self.reserved -= nbytes
+        self.filled -= nbytes
+
+
+def _batches(views: list[np.ndarray], limit: int) -> list[list[np.ndarray]]:
+    """``views`` cut into batches of at most ``limit`` bytes each (at least one batch)."""
+    batches: list[list[np.ndarray]] = [[]]
+    room = limit
+    for view in views:
+        while view.nbytes:
+            if not room:
+                batches.append([])
+                room = limit
+            batches[-1].append(view[:room])
+            room -= batches[-1][-1].nbytes
+            view = view[batches[-1][-1].nbytes:]
+    return batches
 
 
 def _sender_of(meta: dict[str, Any], connection: Sender) -> Sender:

@@ -67,9 +67,12 @@ class Server:
         self._unix_listener: socket.socket | None = None
         self.unix_path: Path | None = None  # the same-host Unix socket, while running
         self._unix_inode = 0  # the socket file we bound there: the only one we remove
-        self._connections: dict[socket.socket, Sender] = {}
+        self._connections: dict[socket.socket, receiver.Connection] = {}
         self.min_rate = config.min_frame_rate()
         self._deadlines = receiver.Deadlines()
+        # What the headers of frames under way may hold at once, parsed: an eighth of the
+        # store's cap, at least 16 MiB (a real header takes kilobytes).
+        self._header_budget = receiver.HeaderBudget(max(self.store.max_bytes // 8, 16 << 20))
         self._counts = receiver.ReceiveCounts()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -172,7 +175,7 @@ class Server:
     def clients(self) -> list[Sender]:
         """The clients connected right now."""
         with self._lock:
-            return list(self._connections.values())
+            return [connection.sender for connection in self._connections.values()]
 
     # -- queries (the REPL functions call these) -----------------------------------
 
@@ -252,35 +255,59 @@ class Server:
                 self._warn_about("accept", f"accept failed ({exc}); still listening")
                 self._closing.wait(0.1)
                 continue
-            name = _format_address(address)
-            with self._lock:
-                # Counted from accept, not from the handshake: peers that connect and
-                # say nothing must not be able to pile up threads.
-                full = len(self._connections) >= self.max_connections
-                if not full:
-                    self._connections[sock] = Sender(name)
-            if full:
-                self.refused += 1
-                log.warning(
-                    "refused %s: already serving %d clients (THING_MAX_CONNECTIONS)",
-                    name,
-                    self.max_connections,
-                )
+            try:
+                self._admit(sock, _format_address(address))
+            except Exception:  # the accept loop must outlive anything, MemoryError included
+                log.exception("could not serve a new connection; still listening")
                 sock.close()
-                continue
-            self._spawn(self._serve_connection, f"thing-conn-{name}", sock, name)
+
+    def _admit(self, sock: socket.socket, name: str) -> None:
+        """Take a new connection into a slot, making room if idle or unproven peers hold them.
+
+        Counted from accept, not from the handshake: peers that connect and say
+        nothing must not pile up threads. Peers still in the handshake hold at most
+        a quarter of the slots (the one waiting longest goes first), and when all
+        slots are taken the connection idle the longest goes (its client
+        reconnects by itself): a silent crowd is no barrier to a new client.
+        """
+        connection = receiver.Connection(sock, name, self._settings())
+        with self._lock:
+            connections = list(self._connections.values())
+            unproven = [c for c in connections if not c.handshaken]
+            idle = [c for c in connections if c.handshaken and not c.busy]
+            if len(unproven) >= max(self.max_connections // 4, 1):
+                make_room = min(unproven, key=lambda c: c.since)
+            elif len(connections) >= self.max_connections and idle:
+                make_room = min(idle, key=lambda c: c.since)
+            elif len(connections) >= self.max_connections:
+                make_room = None
+                self.refused += 1
+                log.warning("refused %s: already serving %d clients, none idle "
+                            "(THING_MAX_CONNECTIONS)", name, self.max_connections)
+                sock.close()
+                return
+            else:
+                make_room = None
+            self._connections[sock] = connection
+        if make_room is not None:
+            log.info("closed the connection of %s, %s, to make room for %s",
+                     make_room.address, "idle the longest" if make_room.handshaken
+                     else "still in its handshake", name)
+            _shutdown_reading(make_room.sock)
+        self._spawn(self._serve_connection, f"thing-conn-{name}", connection)
 
     def _enforce_deadlines(self) -> None:
         while not self._closing.wait(min(1.0, self.idle_timeout / 4)):
             for sock in self._deadlines.expired():
+                connection = self._connections.get(sock)
                 self._warn_about(
-                    self._connections.get(sock, Sender("?")).address,
+                    "?" if connection is None else connection.address,
                     "cut off a peer too slow to finish its handshake or frame",
                 )
                 _shutdown_reading(sock)
 
-    def _serve_connection(self, sock: socket.socket, address: str) -> None:
-        connection = receiver.Connection(sock, address, self._settings())
+    def _serve_connection(self, connection: receiver.Connection) -> None:
+        sock, address = connection.sock, connection.address
         try:
             if connection.local:
                 uid = peer_uid(sock)
@@ -288,8 +315,6 @@ class Server:
                     raise HandshakeError(f"refused a Unix-socket peer of another user (uid {uid})")
             tune_stream(sock)
             sender = connection.handshake()
-            with self._lock:
-                self._connections[sock] = sender
             log.debug("client connected: %s (pid %d on %s)", address, sender.pid, sender.hostname)
             connection.serve()
         except HandshakeError as exc:
@@ -313,6 +338,7 @@ class Server:
         return receiver.ReceiveSettings(
             store=self.store, buffers=self.buffers, limits=self.limits, token=self.token,
             idle_timeout=self.idle_timeout, min_rate=self.min_rate, deadlines=self._deadlines,
+            header_budget=self._header_budget,
             counts=self._counts, closing=self._closing, warn=self._warn_about,
         )
 

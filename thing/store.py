@@ -149,9 +149,10 @@ class HistoryStore:
     # -- receiving ---------------------------------------------------------------
 
     def reserve(self, nbytes: int) -> None:
-        """Make room for ``nbytes`` about to be received, evicting the oldest captures.
+        """Claim room for ``nbytes`` about to be received; nothing is evicted for a claim.
 
-        Raises :class:`LimitExceeded`, evicting nothing, if they could never fit.
+        Raises :class:`LimitExceeded` if they could never fit, or if captures
+        still being received have claimed the rest of the cap.
         """
         with self._changed:
             if nbytes + RECORD_BYTES > self.max_bytes:
@@ -162,11 +163,19 @@ class HistoryStore:
             if self._reserved + nbytes + RECORD_BYTES > self.max_bytes:
                 self.rejected += 1
                 raise LimitExceeded("the store is full of captures still being received")
+            self._reserved += nbytes
+
+    def fill(self, nbytes: int) -> None:
+        """``nbytes`` of a claim are arriving now: evict the oldest captures to hold them.
+
+        The history makes room only as a capture's bytes actually come in, so a
+        peer that claims much and sends little evicts little.
+        """
+        with self._changed:
             while self._held + nbytes > self.max_bytes and self._by_id:
                 self._drop(next(iter(self._by_id.values())))
                 self.evicted += 1
             self._held += nbytes
-            self._reserved += nbytes
 
     def note_undelivered(self, sender: Sender, counts: dict[str, int]) -> None:
         """Record what a sender reports it caught but could not deliver (cumulative counts)."""
@@ -177,21 +186,24 @@ class HistoryStore:
             while len(self._undelivered) > 1000:
                 self._undelivered.popitem(last=False)
 
-    def release(self, nbytes: int) -> None:
-        """Give back a reservation whose capture never arrived."""
+    def release(self, nbytes: int, filled: int) -> None:
+        """Give back a claim of ``nbytes`` (``filled`` of them arrived) not stored after all."""
         with self._changed:
-            self._held -= nbytes
+            self._held -= filled
             self._reserved -= nbytes
 
     def add(self, name: str | None, value: Any, leaves: tuple[LeafSpec, ...], nbytes: int,
             sender: Sender, **details: Any) -> Capture:
-        """Store a received capture whose ``nbytes`` were reserved; return it with its new id."""
+        """Store a received capture whose ``nbytes`` were reserved and filled; return it."""
         # Outside the lock: it walks the value. A received one is walked as its header
         # described it, arrays standing in as empty bytes (their bytes were reserved).
         if isinstance(value, ReceivedValue):
-            extra = RECORD_BYTES + _header_bytes(build_value(value.tree, [b""] * len(leaves)))
+            value_bytes = _header_bytes(build_value(value.tree, [b""] * len(leaves)))
         else:
-            extra = RECORD_BYTES + _header_bytes(value)
+            value_bytes = _header_bytes(value)
+        # The name and the call site are held too, as long as the capture is.
+        extra = RECORD_BYTES + value_bytes + sum(
+            _header_bytes(text) for text in (name, details.get("call_site")) if text is not None)
         with self._changed:
             if nbytes + extra > self.max_bytes:
                 # Values that came in the header were not reserved; alone they may not fit.

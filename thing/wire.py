@@ -234,6 +234,28 @@ def decode_trailer(trailer: bytes) -> bool:
     return bool(flags & FLAG_MODIFIED_DURING_SEND)
 
 
+# What parsing one JSON element can make, at most, in bytes of Python objects: an object
+# (a dict with its first entries), a list, and anything else (a number, a string, a
+# small list entry), each separated by a comma or opened by its bracket.
+_OBJECT_COST, _LIST_COST, _ELEMENT_COST = 360, 120, 72
+HEADER_COST_FACTOR = 32  # a header may cost at most this many times max_header_bytes
+
+
+def header_cost(raw: bytes, limits: Limits) -> int:
+    """Bytes a header holds in memory once parsed (its text included), counted before parsing.
+
+    A header of tiny nested nodes inflates many times when parsed; this bound
+    is what the receiver charges to the store, and one over
+    ``HEADER_COST_FACTOR`` times ``max_header_bytes`` is refused unparsed.
+    """
+    cost = (len(raw) + _OBJECT_COST * raw.count(b"{") + _LIST_COST * raw.count(b"[")
+            + _ELEMENT_COST * (raw.count(b",") + 1))
+    if cost > HEADER_COST_FACTOR * limits.max_header_bytes:
+        raise LimitExceeded(f"a header of {len(raw)} bytes holding too many small values "
+                            f"(it would take about {cost} bytes once parsed)")
+    return cost
+
+
 def decode_header(raw: bytes, payload_len: int, limits: Limits) -> FrameHeader:
     """Validate a capture header completely; raise :class:`ProtocolError` on any flaw."""
     document = _load_json(raw, "header")

@@ -1,0 +1,169 @@
+"""The REPL's memory is bounded by the store's cap, whatever a peer sends.
+
+A server runs in its own process with a 64 MiB cap; the attacks come from
+raw sockets in this one; the server's resident memory is read from outside
+(``/proc/<pid>/status``) before and during each attack.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from thing import wire
+
+from .conftest import poll, run_script, start_script
+
+CAP = 64 << 20
+# What a server holds beyond its cap for its own use: threads, buffers, Python's own.
+SLACK = 48 << 20
+
+SERVER = f"""
+import json, sys, thing
+store = thing.HistoryStore(max_bytes={CAP})
+server = thing.Server(port=0, store=store)
+server.idle_timeout = 30
+server.start()
+print(server.port, flush=True)
+for line in sys.stdin:
+    print(json.dumps({{"held": store.held_bytes, "kept": len(store), "evicted": store.evicted,
+                      "received": store.received}}), flush=True)
+"""
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+class Repl:
+    """The server process, and what it holds."""
+
+    def __init__(self, processes: list) -> None:
+        self.process = start_script(SERVER, stdin=True)
+        processes.append(self.process)
+        self.port = int(self.process.stdout.readline())
+
+    def stats(self) -> dict:
+        self.process.stdin.write("?\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
+
+    def rss(self) -> int:
+        return rss(self.process.pid)
+
+    def peer(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        sock.sendall(wire.encode_handshake({"hostname": "attacker", "pid": 1}))
+        prefix = sock.recv(wire.HANDSHAKE.size, socket.MSG_WAITALL)
+        sock.recv(wire.HANDSHAKE.unpack(prefix)[3], socket.MSG_WAITALL)
+        return sock
+
+
+@pytest.fixture
+def repl(processes: list) -> Repl:
+    return Repl(processes)
+
+
+def fill_history(repl: Repl, count: int = 20, nbytes: int = 2 << 20) -> None:
+    run_script(
+        f"""
+        import numpy as np, thing
+        handles = [thing.catch(np.full({nbytes}, i, np.uint8), name="history", block=True)
+                   for i in range({count})]
+        assert all(h.wait(30) for h in handles)
+        """,
+        repl.port, THING_TRANSPORT="tcp",
+    )
+
+
+def test_claimed_headers_allocate_nothing_before_their_bytes_arrive(repl: Repl) -> None:
+    before = repl.rss()
+    peers = []
+    for _ in range(64):  # each claims the largest header allowed, sends 10 bytes, stalls
+        peer = repl.peer()
+        peer.sendall(wire.FRAME_PREFIX.pack(wire.FRAME_TAG, wire.KIND_CAPTURE, 1 << 20, 0)
+                     + b'{"seq": 0,')
+        peers.append(peer)
+    time.sleep(1.0)  # measuring: let every connection thread get as far as it will
+    grown = repl.rss() - before
+    for peer in peers:
+        peer.close()
+    assert grown < 32 << 20, f"64 stalled header claims grew the server by {grown >> 20} MiB"
+
+
+@pytest.mark.parametrize("elements", [500_000, 300_000])
+def test_headers_of_tiny_nodes_are_refused_or_held_within_a_budget(repl: Repl,
+                                                                   elements: int) -> None:
+    """A ~1 MiB header of tiny values inflates many times when parsed: over the limit it
+    is refused unparsed; under it, what it costs is held against a shared budget, and
+    beyond that refused: memory stays bounded and the history is not evicted for it."""
+    fill_history(repl)
+    before = repl.rss()
+    body = ",".join(["0"] * elements)
+    header = ('{"seq":0,"name":"tiny","value":{"list":[' + body + ']},"leaves":[],"meta":{}}'
+              ).encode()
+    peers = []
+    for _ in range(6):  # each sends the header, then withholds the trailer
+        peer = repl.peer()
+        peer.sendall(wire.encode_prefix(header, 0) + header)
+        peers.append(peer)
+    time.sleep(1.5)
+    grown, stats = repl.rss() - before, repl.stats()
+    for peer in peers:
+        peer.close()
+    assert stats["held"] <= CAP and stats["kept"] == 20 and stats["evicted"] == 0, stats
+    assert grown < CAP + SLACK, f"grew by {grown >> 20} MiB against a {CAP >> 20} MiB cap"
+
+
+def test_long_names_that_grow_when_escaped_count_against_the_cap(repl: Repl) -> None:
+    before = repl.rss()
+    run_script(
+        """
+        import thing
+        name = "\\x01" * 4000  # each escaped to four characters in the REPL
+        handles = [thing.catch(i, name=name + str(i), block=True) for i in range(20_000)]
+        assert all(h.wait(60) for h in handles)
+        """,
+        repl.port, THING_TRANSPORT="tcp", timeout=180,
+    )
+    stats, grown = repl.stats(), repl.rss() - before
+    assert stats["held"] <= CAP and stats["evicted"] > 0, stats
+    assert grown < CAP + SLACK, f"grew by {grown >> 20} MiB against a {CAP >> 20} MiB cap"
+
+
+def test_a_near_cap_claim_trickled_evicts_no_history_and_is_cut_off(repl: Repl) -> None:
+    fill_history(repl)  # 20 captures of 2 MiB: 40 MiB of the 64 MiB cap
+    assert repl.stats()["kept"] == 20
+    peer = repl.peer()
+    payload = 60 << 20
+    header = json.dumps({"seq": 0, "name": "claim", "value": {"leaf": 0},
+                         "leaves": [["numpy", "uint8", [payload], False]], "meta": {}}).encode()
+    peer.sendall(wire.encode_prefix(header, payload) + header + bytes(1000))
+    time.sleep(0.5)
+    assert repl.stats()["kept"] == 20  # nothing evicted for bytes that have not come
+    peer.close()
+    poll(lambda: repl.stats()["held"] < 45 << 20, what="the claim to be released")
+    stats = repl.stats()
+    assert stats["kept"] == 20 and stats["evicted"] == 0
+
+
+def test_the_largest_header_a_real_capture_needs_fits(repl: Repl) -> None:
+    """The lower header limit (1 MiB) still carries a dict of 2,000 tensors."""
+    run_script(
+        """
+        import numpy as np, thing
+        state = {f"model.layers.{i}.mlp.weight": np.full(4, i, np.float32) for i in range(2000)}
+        assert thing.catch(state, name="state_dict").wait(30)
+        """,
+        repl.port, THING_TRANSPORT="tcp",
+    )
+    assert repl.stats()["received"] == 1
+
+
