@@ -405,3 +405,18 @@ def test_purepython_environment_variable_selects_the_twin() -> None:
     assert run_script(code, THING_PUREPYTHON="1").split() == python.split()
     compiled = "compiled thing._core._transport thing._core._transport"
     assert run_script(code, THING_PUREPYTHON="0").split() == compiled.split()
+
+
+def test_the_twins_private_mapping_keeps_no_descriptor() -> None:
+    data = np.arange(4096, dtype=np.uint8)
+    fd = os.memfd_create("thing-test")
+    try:
+        os.write(fd, data.tobytes())
+        before = len(os.listdir("/proc/self/fd"))
+        mappings = [fallback.PrivateMapping(fd, data.nbytes) for _ in range(20)]
+        assert len(os.listdir("/proc/self/fd")) == before
+        assert all(bytes(mapping) == data.tobytes() for mapping in mappings)
+        mappings[0][0] = 255  # private: the memfd itself is unchanged
+        assert os.pread(fd, 1, 0) == b"\x00"
+    finally:
+        os.close(fd)

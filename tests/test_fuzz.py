@@ -180,6 +180,7 @@ def read_like_the_server(data: bytes, limits: wire.Limits = LIMITS,
     settings = ReceiveSettings(
         store=store, buffers=ReceiveBuffers(0), limits=limits, token=None, idle_timeout=2.0,
         min_rate=float(1 << 20), deadlines=Deadlines(), header_budget=HeaderBudget(64 << 20),
+        max_mappings=16,
         counts=ReceiveCounts(),
         closing=threading.Event(), warn=lambda address, message: None,
     )

@@ -752,13 +752,6 @@ def test_no_descriptor_or_mapping_leaked_after_a_client_killed_mid_hand_off() ->
         assert {name for name in os.listdir("/dev/shm") if "thing" in name} == shm_names
 
 
-HELD_FD_REASON = (
-    "thing/shm.py adopt(): mmap.mmap() dup()s the descriptor it maps (CPython keeps it for "
-    "size()/resize(); trackfd=False only exists from 3.13), so every kept shared-memory "
-    "capture holds one server descriptor"
-)
-
-
 def test_a_kept_shared_memory_capture_holds_no_descriptor(server: thing.Server) -> None:
     gc.collect()
     baseline_fds, baseline_maps = open_fds(), memfd_mappings()
@@ -852,3 +845,33 @@ def test_a_live_servers_socket_is_never_replaced(server: thing.Server) -> None:
         assert client.catch(1, name="still").wait(10) and client.transport() == "unix"
     finally:
         client.close()
+
+
+def test_one_client_keeps_at_most_max_mappings_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each mapping takes one of the process's limited map entries: past the cap a
+    client's shared-memory captures are copied out, stored all the same."""
+    monkeypatch.setenv("THING_MAX_MAPPINGS", "50")
+    with thing.Server(port=0) as server:
+        gc.collect()
+        baseline = memfd_mappings()
+        sock = raw_peer(server)
+        try:
+            for i in range(300):
+                array = np.full(8, i, np.int64)  # tiny: a whole page mapped for 64 bytes
+                fd = shm.export([array.view(np.uint8)])
+                try:
+                    socket.send_fds(sock, [frame_message(array, wire.KIND_SHARED_MEMORY, i)],
+                                    [fd])
+                finally:
+                    os.close(fd)
+                status, _, message = read_ack(sock)
+                assert status == wire.ACK_STORED, message
+        finally:
+            sock.close()
+        assert memfd_mappings() - baseline == 50
+        assert [int(v[0]) for v in server.get_all("raw")] == list(range(300))
+        client = thing.Client("127.0.0.1", server.port)
+        try:
+            assert client.catch(1, name="still").wait(10)
+        finally:
+            client.close()

@@ -540,7 +540,10 @@ def test_client_here_server_in_a_subprocess(backend: str, transport: str) -> Non
     assert set(report["captures"]) == set(cases)
     for name, (address, mapped) in report["paths"].items():
         assert (address == "local") == (transport != "tcp"), (name, address)
-        assert mapped == [transport == "shm"] * len(mapped), (name, mapped)
+        # The twin before Python 3.13 reads a memfd into anonymous memory rather than keep
+        # a descriptor per capture (see fallback.PrivateMapping).
+        maps = transport == "shm" and (backend == "compiled" or sys.version_info >= (3, 13))
+        assert mapped == [maps] * len(mapped), (name, mapped)
     for name, sent in cases.items():
         expected = digest(sent)
         if isinstance(sent, np.ndarray):  # arrives in native byte order, C-contiguous

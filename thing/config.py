@@ -122,6 +122,16 @@ def transport() -> str:
     return value
 
 
+def max_mappings() -> int:
+    """Shared-memory captures one client may keep mapped (``THING_MAX_MAPPINGS``, 1024).
+
+    Each mapping takes one of the process's map entries (``vm.max_map_count``,
+    often 65530); beyond this, a client's shared-memory captures are copied
+    into ordinary memory as they arrive, as if they had come inline.
+    """
+    return _env_int("THING_MAX_MAPPINGS", 1024)
+
+
 def shm_threshold() -> int:
     """Payload bytes from which a capture goes through shared memory (``THING_SHM_THRESHOLD``)."""
     return _env_int("THING_SHM_THRESHOLD", 1 << 20)

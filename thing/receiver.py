@@ -22,6 +22,8 @@ import select
 import socket
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,7 @@ import numpy as np
 
 from . import auth, shm, wire
 from ._core import recv_buffers, send_buffers
+from .arrays import LeafSpec
 from .buffers import ReceiveBuffers
 from .channel import NOT_DELIVERED_REASONS, SMALL_BYTES
 from .errors import HandshakeError, LimitExceeded, ProtocolError
@@ -103,6 +106,7 @@ class ReceiveSettings:
     min_rate: float  # bytes per second a frame must average, after idle_timeout of grace
     deadlines: Deadlines
     header_budget: HeaderBudget
+    max_mappings: int  # shared-memory captures one client may keep mapped
     counts: ReceiveCounts
     closing: threading.Event
     warn: Callable[[str, str], None]  # (peer address, message), rate-limited per peer
@@ -120,6 +124,9 @@ class Connection:
         self._acks: list[bytes] = []
         self._mid_frame = False  # a frame's prefix arrived and it is not answered yet
         self.handshaken = False
+        # Shared-memory mappings this client's captures keep: adopted, minus those gone.
+        self._mappings_adopted = 0
+        self._mappings_gone: deque[None] = deque()
         self.since = time.monotonic()  # when it connected, then when its last frame ended
         # With a token: signs the acks and checks the frames (see auth.py).
         self.mac: auth.SessionMac | None = None
@@ -302,8 +309,8 @@ class Connection:
         settings = self.settings
         trailer = bytearray(self._trailer_size)
         if fds:  # a shared-memory frame: its bytes are all there already
-            arrays = shm.adopt(fds.pop(), header.leaves)
             charge.fill(payload_len)
+            arrays = self._adopt(fds.pop(), header.leaves)
             recv_buffers(self.sock, [trailer])
         else:
             if payload_len >= SMALL_BYTES:
@@ -332,6 +339,21 @@ class Connection:
         )
         charge.stored(payload_len)
         return capture
+
+    def _adopt(self, fd: int, specs: tuple[LeafSpec, ...]) -> list[np.ndarray]:
+        """A shared-memory payload's arrays: mapped, or copied out once this client keeps
+        ``max_mappings`` mappings (each costs one of the process's limited map entries)."""
+        arrays, base = shm.adopt(fd, specs)
+        live = self._mappings_adopted - len(self._mappings_gone)
+        if live < self.settings.max_mappings:
+            self._mappings_adopted += 1
+            # A finalizer may run anywhere: it only appends, one atomic C call.
+            weakref.finalize(base, self._mappings_gone.append, None)
+            return arrays
+        copies = [self.settings.buffers.array(spec) for spec in specs]
+        for copy, array in zip(copies, arrays):
+            np.copyto(copy, array)
+        return copies  # the mapping goes with ``base`` and ``arrays``
 
     def _check_trailer(self, trailer: bytearray, signature: Any) -> bool:
         """Check a received trailer (and its signature); return the not-consistent flag."""

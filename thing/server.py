@@ -338,7 +338,7 @@ class Server:
         return receiver.ReceiveSettings(
             store=self.store, buffers=self.buffers, limits=self.limits, token=self.token,
             idle_timeout=self.idle_timeout, min_rate=self.min_rate, deadlines=self._deadlines,
-            header_budget=self._header_budget,
+            header_budget=self._header_budget, max_mappings=config.max_mappings(),
             counts=self._counts, closing=self._closing, warn=self._warn_about,
         )
 

@@ -64,8 +64,11 @@ def export(views: Sequence[Any]) -> int:
     return fd
 
 
-def adopt(fd: int, specs: Sequence[LeafSpec]) -> list[np.ndarray]:
+def adopt(fd: int, specs: Sequence[LeafSpec]) -> tuple[list[np.ndarray], np.ndarray]:
     """Map a received memfd as the arrays ``specs`` describe, after checking it; closes ``fd``.
+
+    Returns the arrays and the one base array they all view: the mapping lasts
+    as long as that does.
 
     The descriptor must be a regular file of exactly the size the header
     implies, sealed against shrinking, growing and writing, so the sender can
@@ -84,11 +87,9 @@ def adopt(fd: int, specs: Sequence[LeafSpec]) -> list[np.ndarray]:
         mapping = PrivateMapping(fd, total)
     finally:
         os.close(fd)
-    return [
-        np.frombuffer(mapping, CARRIER_DTYPES[spec.dtype], _count(spec), offset).reshape(spec.shape)
+    base = np.frombuffer(mapping, np.uint8)
+    arrays = [
+        base[offset : offset + spec.nbytes].view(CARRIER_DTYPES[spec.dtype]).reshape(spec.shape)
         for spec, offset in zip(specs, offsets)
     ]
-
-
-def _count(spec: LeafSpec) -> int:
-    return spec.nbytes // CARRIER_DTYPES[spec.dtype].itemsize
+    return arrays, base

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import mmap
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -77,7 +78,22 @@ def copy_into(destination: object, source: object) -> int:
 
 
 def PrivateMapping(fd: int, size: int) -> mmap.mmap:  # noqa: N802 - the compiled one is a class
-    """A copy-on-write mapping of ``fd``, as a writable buffer (Python < 3.13 keeps a dup of fd)."""
-    extra = {"trackfd": False} if sys.version_info >= (3, 13) else {}
-    return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                     **extra)
+    """``size`` bytes of ``fd`` as a writable buffer that keeps no descriptor.
+
+    Python 3.13 maps it copy-on-write without a descriptor (``trackfd=False``).
+    Before that, ``mmap`` keeps a duplicate of the descriptor as long as the
+    mapping lives, one per kept capture; so the bytes are read into anonymous
+    memory instead: a copy, which the compiled core does not need.
+    """
+    if sys.version_info >= (3, 13):
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE, trackfd=False)
+    memory = mmap.mmap(-1, size)
+    with memoryview(memory) as view:
+        done = 0
+        while done < size:
+            moved = os.preadv(fd, [view[done:]], done)
+            if moved == 0:
+                raise OSError(errno.EIO, f"shared memory ended after {done} of {size} bytes")
+            done += moved
+    return memory
