@@ -21,16 +21,16 @@ CAP = 64 << 20
 # What a server holds beyond its cap for its own use: threads, buffers, Python's own.
 SLACK = 48 << 20
 
-SERVER = f"""
+SERVER = """
 import json, sys, thing
-store = thing.HistoryStore(max_bytes={CAP})
+store = thing.HistoryStore(max_bytes=CAP)
 server = thing.Server(port=0, store=store)
 server.idle_timeout = 30
 server.start()
 print(server.port, flush=True)
 for line in sys.stdin:
-    print(json.dumps({{"held": store.held_bytes, "kept": len(store), "evicted": store.evicted,
-                      "received": store.received}}), flush=True)
+    print(json.dumps({"held": store.held_bytes, "kept": len(store), "evicted": store.evicted,
+                      "received": store.received}), flush=True)
 """
 
 
@@ -43,11 +43,13 @@ def rss(pid: int) -> int:
 
 
 class Repl:
-    """The server process, and what it holds."""
+    """The server process with a capped store, and what it holds.
 
-    def __init__(self, processes: list) -> None:
-        self.process = start_script(SERVER, stdin=True)
-        processes.append(self.process)
+    ``benchmarks/hostile.py`` runs the same server under the same attacks.
+    """
+
+    def __init__(self, cap: int = CAP) -> None:
+        self.process = start_script(SERVER.replace("CAP", str(cap)), stdin=True)
         self.port = int(self.process.stdout.readline())
 
     def stats(self) -> dict:
@@ -68,7 +70,9 @@ class Repl:
 
 @pytest.fixture
 def repl(processes: list) -> Repl:
-    return Repl(processes)
+    server = Repl()
+    processes.append(server.process)
+    return server
 
 
 def fill_history(repl: Repl, count: int = 20, nbytes: int = 2 << 20) -> None:
@@ -83,14 +87,61 @@ def fill_history(repl: Repl, count: int = 20, nbytes: int = 2 << 20) -> None:
     )
 
 
-def test_claimed_headers_allocate_nothing_before_their_bytes_arrive(repl: Repl) -> None:
-    before = repl.rss()
+# -- the attacks; each returns the sockets it holds open ----------------------------------------
+
+
+def stalled_header_claims(repl: Repl, count: int = 64) -> list[socket.socket]:
+    """Connections that each claim the largest header allowed, send 10 bytes, stall."""
     peers = []
-    for _ in range(64):  # each claims the largest header allowed, sends 10 bytes, stalls
+    for _ in range(count):
         peer = repl.peer()
         peer.sendall(wire.FRAME_PREFIX.pack(wire.FRAME_TAG, wire.KIND_CAPTURE, 1 << 20, 0)
                      + b'{"seq": 0,')
         peers.append(peer)
+    return peers
+
+
+def tiny_value_headers(repl: Repl, elements: int = 300_000,
+                       count: int = 6) -> list[socket.socket]:
+    """Connections that each send a header of ``elements`` tiny values, then withhold the
+    frame's end."""
+    body = ",".join(["0"] * elements)
+    header = ('{"seq":0,"name":"tiny","value":{"list":[' + body + ']},"leaves":[],"meta":{}}'
+              ).encode()
+    peers = []
+    for _ in range(count):
+        peer = repl.peer()
+        peer.sendall(wire.encode_prefix(header, 0) + header)
+        peers.append(peer)
+    return peers
+
+
+def escaped_names(repl: Repl) -> list[socket.socket]:
+    """20,000 captures under 4,000-character names that grow four times when escaped."""
+    run_script(
+        """
+        import thing
+        name = "\\x01" * 4000  # each escaped to four characters in the REPL
+        handles = [thing.catch(i, name=name + str(i), block=True) for i in range(20_000)]
+        assert all(h.wait(60) for h in handles)
+        """,
+        repl.port, THING_TRANSPORT="tcp", timeout=180,
+    )
+    return []
+
+
+def near_cap_claim(repl: Repl, payload: int = 60 << 20) -> list[socket.socket]:
+    """One frame claiming ``payload`` bytes, 1 KB of them sent."""
+    peer = repl.peer()
+    header = json.dumps({"seq": 0, "name": "claim", "value": {"leaf": 0},
+                         "leaves": [["numpy", "uint8", [payload], False]], "meta": {}}).encode()
+    peer.sendall(wire.encode_prefix(header, payload) + header + bytes(1000))
+    return [peer]
+
+
+def test_claimed_headers_allocate_nothing_before_their_bytes_arrive(repl: Repl) -> None:
+    before = repl.rss()
+    peers = stalled_header_claims(repl)
     time.sleep(1.0)  # measuring: let every connection thread get as far as it will
     grown = repl.rss() - before
     for peer in peers:
@@ -106,14 +157,7 @@ def test_headers_of_tiny_nodes_are_refused_or_held_within_a_budget(repl: Repl,
     beyond that refused: memory stays bounded and the history is not evicted for it."""
     fill_history(repl)
     before = repl.rss()
-    body = ",".join(["0"] * elements)
-    header = ('{"seq":0,"name":"tiny","value":{"list":[' + body + ']},"leaves":[],"meta":{}}'
-              ).encode()
-    peers = []
-    for _ in range(6):  # each sends the header, then withholds the trailer
-        peer = repl.peer()
-        peer.sendall(wire.encode_prefix(header, 0) + header)
-        peers.append(peer)
+    peers = tiny_value_headers(repl, elements)
     time.sleep(1.5)
     grown, stats = repl.rss() - before, repl.stats()
     for peer in peers:
@@ -124,15 +168,7 @@ def test_headers_of_tiny_nodes_are_refused_or_held_within_a_budget(repl: Repl,
 
 def test_long_names_that_grow_when_escaped_count_against_the_cap(repl: Repl) -> None:
     before = repl.rss()
-    run_script(
-        """
-        import thing
-        name = "\\x01" * 4000  # each escaped to four characters in the REPL
-        handles = [thing.catch(i, name=name + str(i), block=True) for i in range(20_000)]
-        assert all(h.wait(60) for h in handles)
-        """,
-        repl.port, THING_TRANSPORT="tcp", timeout=180,
-    )
+    escaped_names(repl)
     stats, grown = repl.stats(), repl.rss() - before
     assert stats["held"] <= CAP and stats["evicted"] > 0, stats
     assert grown < CAP + SLACK, f"grew by {grown >> 20} MiB against a {CAP >> 20} MiB cap"
@@ -141,11 +177,7 @@ def test_long_names_that_grow_when_escaped_count_against_the_cap(repl: Repl) -> 
 def test_a_near_cap_claim_trickled_evicts_no_history_and_is_cut_off(repl: Repl) -> None:
     fill_history(repl)  # 20 captures of 2 MiB: 40 MiB of the 64 MiB cap
     assert repl.stats()["kept"] == 20
-    peer = repl.peer()
-    payload = 60 << 20
-    header = json.dumps({"seq": 0, "name": "claim", "value": {"leaf": 0},
-                         "leaves": [["numpy", "uint8", [payload], False]], "meta": {}}).encode()
-    peer.sendall(wire.encode_prefix(header, payload) + header + bytes(1000))
+    (peer,) = near_cap_claim(repl)
     time.sleep(0.5)
     assert repl.stats()["kept"] == 20  # nothing evicted for bytes that have not come
     peer.close()
