@@ -21,7 +21,7 @@ import os
 import sys
 import time
 import weakref
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from typing import Any
 
 from . import config, wire
@@ -80,6 +80,9 @@ class Client:
         self.snapshot_bytes = config.snapshot_bytes() if snapshot_bytes is None else snapshot_bytes
         self._max_names = config.max_names()
         self._names = NameTracer(max_sites=self._max_names)
+        # Kept by a forked child, as its names are: every= counts on from the parent's.
+        self._throttles: OrderedDict[str | None, _Throttle] = OrderedDict()
+        self._warned: set[str] = set()
         self._start_afresh()
         self._closed = False
         _live_clients.add(self)
@@ -90,9 +93,6 @@ class Client:
         self._lock = self._queue.lock
         # server= string -> channel, oldest first; several strings may share a channel.
         self._channels: OrderedDict[str | None, Channel] = OrderedDict()
-        self._throttles: OrderedDict[str | None, _Throttle] = OrderedDict()
-        self._failures: Counter[str] = Counter()
-        self._warned: set[str] = set()
 
     def catch(
         self,
