@@ -67,7 +67,7 @@ def test_catch_never_raises_or_prints(server: thing.Server) -> None:
         import sys, thing
         handle = thing.catch(object(), name="bad")
         assert handle.wait(1) is False and "cannot send an object" in handle.error
-        assert thing.catch({1: "non-str key"}, name="bad2").wait(1) is False
+        assert thing.catch({(1,): "tuple key"}, name="bad2").wait(1) is False
         assert thing.catch(1.5, name="good").wait(10) is True
         """,
         server.port,
@@ -271,3 +271,25 @@ def test_per_name_and_per_server_bookkeeping_is_bounded(monkeypatch) -> None:
         assert len(client._channels) == 3 and list(client._channels) == servers[3:]
     finally:
         client.close()
+
+
+def test_client_and_server_read_the_variables_catch_and_serve_read(monkeypatch) -> None:
+    monkeypatch.setenv("THING_PORT", "0")
+    monkeypatch.setenv("THING_HOST", "127.0.0.1")
+    with thing.Server() as server:  # THING_PORT=0: a free port
+        assert server.host == "127.0.0.1" and server.port > 0
+        monkeypatch.setenv("THING_PORT", str(server.port))
+        monkeypatch.setenv("THING_SERVER", "127.0.0.1")
+        client = thing.Client()
+        try:
+            assert client.address == ("127.0.0.1", server.port)
+            assert client.catch(np.arange(3), name="from_env").wait(10)
+        finally:
+            client.close()
+        assert server.get("from_env").tolist() == [0, 1, 2]
+    monkeypatch.setenv("THING_SERVER", "example.org:1234")
+    assert thing.Client(server_port=5).address == ("example.org", 5)  # explicit wins
+    assert thing.Client("localhost").address == ("localhost", 1234)
+    assert thing.Client().address == ("example.org", 1234)
+    monkeypatch.setenv("THING_PORT", "4321")
+    assert thing.Server().port == 4321 and thing.Server(port=7).port == 7

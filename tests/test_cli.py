@@ -47,12 +47,18 @@ def test_serve_opens_a_session_that_receives(tmp_path, shell: str) -> None:
         child.expect_exact(f"thing is receiving at 127.0.0.1:{port}")
         for command in ("thing.summary()", "thing.get('loss')", "thing.ingest_all()"):
             child.expect_exact(command)
-        child.expect(r"In \[|>>> ")  # the prompt
+        prompt = r"In \[|>>> "
+        child.expect(prompt)
+        child.sendline("thing.serve()")  # echoes one informative line
+        child.expect(rf"<thing.Server listening at 127.0.0.1:{port} over TCP")
+        child.expect(prompt)
         catch_from_another_process(port)
         child.sendline("print('got', thing.get('model.w').tolist())")
         child.expect_exact("got [0, 1, 2]")
         child.sendline("thing.ingest_all()")
-        child.expect_exact("bound 1 variable: model_w ('model.w')")
+        child.expect_exact("model_w ('model.w')")
+        child.expect(prompt)
+        assert "model_w ('model.w')" not in child.before  # shown once, not printed and echoed
         child.sendline("print('sum', int(model_w.sum()))")
         child.expect_exact("sum 3")
         child.sendline("thing.get('model.x')")

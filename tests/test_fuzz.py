@@ -406,6 +406,17 @@ def nasty_frames() -> dict[str, bytes]:
         "trailer-all-flags": header_frame(_document(), payload24,
                                           trailer=wire.FRAME_TRAILER.pack(b"TE", 0xFFFF, 0)),
         "payload-truncated": header_frame(_document(), payload24)[:-20],
+        # A notice of an unsent capture carries no data, and says why in an object.
+        "notice-with-data": header_frame(_document(meta={"unsent": {"type": "x", "reason": "y"}}),
+                                         payload24),
+        "notice-not-an-object": header_frame(_document(value=None, leaves=[],
+                                                       meta={"unsent": "because"}), b""),
+        "dict-list-key": header_frame(_document(value={"dict": [[[1], {"leaf": 0}]]}),
+                                      payload24),
+        "set-of-lists": header_frame(_document(value={"list": [{"leaf": 0}, {"set": [
+            {"list": [1]}]}]}), payload24),
+        "sparse-without-its-parts": header_frame(_document(value={"sparse": {
+            "layout": "sparse_coo", "size": [2, 3], "indices": {"leaf": 0}}}), payload24),
         # A claim that would once have evicted the history before a byte of it arrived.
         # (Headers too costly to parse need ~1 MiB: tests/test_memory_bounds.py sends them.)
         "payload-claims-most-of-a-store-then-stops": header_frame(

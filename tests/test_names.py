@@ -259,7 +259,7 @@ def test_call_site_of_a_multiline_call_is_its_first_line(client):
     assert client.sites[-1].line == line
 
 
-# Once per call site ---------------------------------------------------------------------------
+# Once per variable ---------------------------------------------------------------------------
 
 
 def test_cache_hit_reads_no_source(client, monkeypatch):
@@ -314,9 +314,44 @@ def test_distinct_sites_get_suffixes_in_first_catch_order(client):
 
 
 @needs_columns
-def test_two_sites_on_one_line_are_distinct(client):
+def test_one_expression_twice_on_one_line_is_one_name(client):
     x = 1
-    assert (client.catch(x), client.catch(x)) == ("x", "x_1")
+    assert (client.catch(x), client.catch(x)) == ("x", "x")
+
+
+def test_one_variable_of_one_function_is_one_name_whatever_its_line(client):
+    # The original thing's test_vars: one variable caught on two lines is one history;
+    # the same variable name in another function is another one.
+    def vars_one():
+        obj = "abc"
+        first = client.catch(obj)
+        obj = 2
+        return first, client.catch(obj)
+
+    def vars_two():
+        obj = 3.0
+        return client.catch(obj)
+
+    assert vars_one() == ("obj", "obj")
+    assert vars_two() == "obj_1"
+    assert vars_one() == ("obj", "obj")
+
+
+def test_a_cell_run_again_keeps_its_names(client):
+    # Terminal IPython compiles each run of a cell under a new file name; Jupyter under
+    # one named after the text. Both run in __main__: one module, so the same names.
+    source = "loss = 0.5\nfirst = client.catch(loss)\ndef step():\n    return client.catch(loss)\n"
+    names = []
+    for run in range(3):
+        filename = f"<ipython-input-{run}-0123456789ab>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        try:
+            namespace = {"__name__": "__main__", "client": client}
+            exec(compile(source, filename, "exec"), namespace)
+            names.append((namespace["first"], namespace["step"]()))
+        finally:
+            del linecache.cache[filename]
+    assert names == [("loss", "loss_1")] * 3
 
 
 def test_same_text_in_another_file_is_distinct(client, tmp_path):
@@ -409,14 +444,15 @@ def test_ipython_cell(tmp_path):
         from IPython.testing.globalipapp import start_ipython
         shell = start_ipython()
         shell.user_ns["catch"] = catch
-        shell.run_cell({cell!r}).raise_error()
-        for name in shell.user_ns["traced"]:
-            print("traced:", name)
+        for run in range(2):  # the same cell run again keeps its names
+            shell.run_cell({cell!r}).raise_error()
+            for name in shell.user_ns["traced"]:
+                print("traced:", name)
         """
     )
     output = run_python(tmp_path, "-c", script)
     traced = [line[len("traced: ") :] for line in output if line.startswith("traced: ")]
-    assert traced == ["model.weight", "h[3]", "model.weight * 2"]
+    assert traced == ["model.weight", "h[3]", "model.weight * 2"] * 2
 
 
 # Fallback names -------------------------------------------------------------------------------
@@ -461,7 +497,8 @@ def test_no_column_positions_uses_the_one_catch_on_the_line(tmp_path):
     path = tmp_path / "train.py"
     path.write_text(script)
     output = run_python(tmp_path, "-X", "no_debug_ranges", str(path))
-    assert output == ["loss", "loss * 2", "<module>:12 <module>:12_1", "abs(loss)"]
+    # Two catches on one line cannot be told apart without columns: one fallback name.
+    assert output == ["loss", "loss * 2", "<module>:12 <module>:12", "abs(loss)"]
 
 
 def test_no_argument_falls_back(client):

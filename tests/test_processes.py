@@ -119,3 +119,75 @@ def test_children_forked_right_after_the_first_catch_all_deliver(server: thing.S
         timeout=180,
     )
     assert sorted(server.get_all("child")) == list(range(80))
+
+
+def test_mp_spawn_ranks_are_read_at_the_call(server: thing.Server, tmp_path: Path) -> None:
+    """Captures made just before destroy_process_group() still carry their rank."""
+    run_file(
+        tmp_path,
+        f"""
+        import torch.distributed as dist, torch.multiprocessing as mp, thing
+
+        def work(rank, world_size):
+            dist.init_process_group("gloo", init_method={(tmp_path / "init").as_uri()!r},
+                                    rank=rank, world_size=world_size)
+            for step in range(100):
+                thing.catch(float(step), name="loss")
+            dist.destroy_process_group()  # at once: most captures are still queued
+
+        if __name__ == "__main__":
+            mp.spawn(work, args=(2,), nprocs=2)
+        """,
+        server.port,
+        timeout=180,
+    )
+    for rank in (0, 1):
+        captures = server.store.get_all("loss", rank=rank)
+        assert [c.value for c in captures] == [float(step) for step in range(100)]
+        assert {c.sender.world_size for c in captures} == {2}
+    assert len(server.store.get_all("loss")) == 200
+
+
+def test_dataloader_workers_carry_their_jobs_rank(server: thing.Server) -> None:
+    run_script(
+        """
+        import torch, thing
+        from torch.utils.data import DataLoader, Dataset
+
+        class Numbers(Dataset):
+            def __len__(self):
+                return 16
+            def __getitem__(self, index):
+                thing.catch(index, name="item")
+                return index
+
+        thing.catch(-1, name="main").wait(10)
+        loader = DataLoader(Numbers(), batch_size=4, num_workers=2,
+                            multiprocessing_context="fork")
+        assert sorted(int(i) for batch in loader for i in batch) == list(range(16))
+        """,
+        server.port,
+        timeout=120,
+        RANK="3",
+        WORLD_SIZE="4",
+    )
+    captures = server.store.get_all("item")
+    assert sorted(c.value for c in captures) == list(range(16))
+    assert {(c.sender.rank, c.sender.world_size) for c in captures} == {(3, 4)}
+    assert server.store.get("main").sender.rank == 3
+
+
+def test_the_rank_follows_the_process_group_as_it_comes_and_goes(server: thing.Server,
+                                                                 tmp_path: Path) -> None:
+    run_script(f"""
+        import torch.distributed as dist, thing
+        assert thing.catch(1, name="before").wait(10)
+        dist.init_process_group("gloo", init_method={(tmp_path / "init").as_uri()!r},
+                                rank=0, world_size=1)
+        assert thing.catch(2, name="during").wait(10)
+        dist.destroy_process_group()
+        assert thing.catch(3, name="after").wait(10)
+    """, server.port, timeout=120, RANK="5")
+    ranks = {name: (server.store.get(name).sender.rank, server.store.get(name).sender.world_size)
+             for name in ("before", "during", "after")}
+    assert ranks == {"before": (5, None), "during": (0, 1), "after": (5, None)}

@@ -18,7 +18,10 @@ import pytest
 
 import thing
 import thing.display
+import thing.live
 import thing.repl
+import thing.reports
+from thing.arrays import LeafSpec
 from thing.store import RECORD_BYTES, HistoryStore, Sender
 
 from .conftest import run_script, script_env, start_script
@@ -184,7 +187,7 @@ NAMES = ("loss", "model.lm_head.weight", "h[3]", "class", "3d", "h.3")
 
 
 def test_identifier_rule() -> None:
-    rule = thing.repl.identifier_for
+    rule = thing.names.identifier_for
     assert [rule(name) for name in NAMES] == [
         "loss", "model_lm_head_weight", "h_3", "_class", "_3d", "h_3"]
     assert rule("<module>:12") == "module_12"
@@ -192,8 +195,7 @@ def test_identifier_rule() -> None:
     assert rule("ß.x") == "ß_x"
 
 
-def test_ingest_all_binds_sanitised_names_and_keeps_existing(default: thing.Server,
-                                                            capsys) -> None:
+def test_ingest_all_binds_sanitised_names_and_keeps_existing(default: thing.Server) -> None:
     send(default.port, f"""
         for i, name in enumerate({NAMES!r}):
             assert thing.catch(np.array([i]), name=name).wait(10)
@@ -205,13 +207,73 @@ def test_ingest_all_binds_sanitised_names_and_keeps_existing(default: thing.Serv
     assert namespace["loss"] == "mine"
     assert namespace["model_lm_head_weight"] is thing.get("model.lm_head.weight")
     assert namespace["h_3"].tolist() == [2]  # h[3] arrived first; h.3 would clash with it
-    printed = capsys.readouterr().out
-    assert "bound 4 variables" in printed and "_class ('class')" in printed
-    assert "kept 1 existing variable" in printed and "loss" in printed
-    assert "'h.3'" in printed  # the clash is reported, not silently dropped
+    shown = repr(bound)  # what a REPL echoes: the report, once
+    assert "ingest_all: 4 variables" in shown and "_class ('class')" in shown
+    assert "kept" in shown and "loss" in shown and "overwrite=True" in shown
+    assert "'h.3'" in shown  # the clash is reported, not silently dropped
 
     bound = thing.ingest_all(overwrite=True, namespace=namespace)
     assert bound["loss"] == "loss" and namespace["loss"].tolist() == [0]
+
+
+def test_ingest_all_never_shadows_builtins_dunders_or_modules(default: thing.Server) -> None:
+    names = ("print", "len", "open", "sum", "exec", "__builtins__", "thing", "mine", "fine")
+    send(default.port, f"""
+        for i, name in enumerate({names!r}):
+            assert thing.catch(np.array([i]), name=name).wait(10)
+    """)
+    namespace = {"__builtins__": __builtins__, "thing": thing, "mine": "kept"}
+    for overwrite in (False, True):
+        bound = thing.ingest_all(overwrite=overwrite, namespace=namespace)
+        # "__builtins__" binds as "builtins": no identifier is a dunder.
+        assert set(bound) == {"fine", "builtins"} | ({"mine"} if overwrite else set())
+        assert namespace["thing"] is thing and namespace["__builtins__"] is __builtins__
+        assert not {"print", "len", "open", "sum", "exec"} & set(namespace)
+        shown = repr(bound)
+        for skipped in ("'print' (print is a builtin)", "'exec' (exec is a builtin)",
+                        "'thing' (thing is a module)", "use thing.get(name)"):
+            assert skipped in shown, shown
+        assert ("mine" in shown) and (namespace["mine"] == "kept") != overwrite
+    assert namespace["mine"].tolist() == [7]
+    assert thing.get("print").tolist() == [0]  # still reachable
+
+
+def test_from_thing_import_star_keeps_the_builtin_help() -> None:
+    namespace: dict = {}
+    exec("from thing import *", namespace)
+    assert "help" not in namespace and "catch" in namespace and "get" in namespace
+    import builtins
+
+    assert not [name for name in thing.__all__ if hasattr(builtins, name)]
+    assert callable(thing.help)
+
+
+def test_names_are_reachable_by_their_identifier(default: thing.Server) -> None:
+    send(default.port, """
+        for name in ("model.lm_head.weight", "h[3]", "a.b", "a_b", "x.y", "x[y]"):
+            assert thing.catch(np.arange(2), name=name).wait(10)
+    """)
+    assert thing.get("model_lm_head_weight") is thing.get("model.lm_head.weight")
+    assert thing.get_all("h_3")[0].tolist() == [0, 1]
+    assert thing.get("a_b") is not thing.get("a.b")  # a name of its own wins over an alias
+    with pytest.raises(KeyError, match=r"'x_y' stands for several names: 'x.y', 'x\[y\]'"):
+        thing.get("x_y")
+    thing.clear("a_b")
+    assert thing.get("a_b") is thing.get("a.b")  # now the alias is unambiguous
+
+
+def test_a_mistyped_name_ends_in_a_short_traceback(default: thing.Server) -> None:
+    import traceback
+
+    default.store.reserve(0)
+    default.store.add("loss", 1.0, (), 0, Sender("x:1"))
+    try:
+        thing.get("los")
+    except KeyError:
+        lines = traceback.format_exc().strip().splitlines()
+    # This test's frame, thing's one frame, and the message with its remedy.
+    assert lines[-1] == "thing.errors.UnknownName: no capture named 'los'; did you mean 'loss'?"
+    assert len(lines) <= 7, lines
 
 
 def test_ingest_all_defaults_to_the_callers_globals(default: thing.Server) -> None:
@@ -267,7 +329,8 @@ def test_summary_of_an_empty_server(default: thing.Server, capsys) -> None:
 
 def test_eviction_under_a_byte_cap_with_a_real_client(monkeypatch, capsys) -> None:
     monkeypatch.setenv("COLUMNS", "200")
-    store = HistoryStore(max_bytes=3 * (4000 + RECORD_BYTES + 51) + 100)  # three named "w"
+    # Three captures named "w": data, record, name and call site ("<string>:3 (<module>)").
+    store = HistoryStore(max_bytes=3 * (4000 + RECORD_BYTES + 51 + 80) + 100)
     with thing.Server(port=0, store=store) as server:
         monkeypatch.setattr(thing.repl, "_server", server)
         out = send(server.port, """
@@ -318,7 +381,8 @@ def test_describe_a_container_describes_each_array(default: thing.Server, capsys
     out = capsys.readouterr().out
     hidden = next(line for line in out.splitlines() if "['hidden']" in line).split()
     assert hidden[1:4] == ["(2,", "3)", "float64"]
-    assert hidden[4:10] == ["min", "0", "max", "5", "mean", "2.5"]
+    header = next(line for line in out.splitlines() if line.startswith("path")).split()
+    assert header[3:6] == ["min", "max", "mean"] and hidden[4:7] == ["0", "5", "2.5"]
     assert any("['out'][0]" in line for line in out.splitlines())
 
 
@@ -338,10 +402,10 @@ def test_describe_by_id_and_of_a_scalar(default: thing.Server, capsys) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "uint8", "bool", "float16"])
 def test_array_stats_match_numpy_across_chunks(dtype: str, monkeypatch) -> None:
-    monkeypatch.setattr(thing.display, "STATS_CHUNK", 1000)  # several chunks to merge
+    monkeypatch.setattr(thing.stats, "STATS_CHUNK", 1000)  # several chunks to merge
     rng = np.random.default_rng(1)
     values = (rng.normal(3, 2, 4567) * 10).astype(dtype)
-    stats = thing.display.array_stats(values)
+    stats = thing.stats.array_stats(values)
     exact = values.astype(np.float64)
     assert stats.count == stats.finite == values.size and stats.nan == stats.inf == 0
     assert stats.min == exact.min() and stats.max == exact.max()
@@ -362,15 +426,15 @@ def test_array_stats_of_torch_jax_bfloat16_and_raw_bits() -> None:
                   reference.astype(ml_dtypes.bfloat16),
                   reference.astype(ml_dtypes.bfloat16).view(np.uint16)):
         spec = thing.arrays.LeafSpec("numpy", "bfloat16", (4,))
-        stats = thing.display.array_stats(value, spec)
+        stats = thing.stats.array_stats(value, spec)
         assert (stats.min, stats.max, stats.mean) == (-2.0, 3.5, reference.mean()), value
     big = np.array([2**62 + 1, -5], np.int64)
-    assert thing.display.array_stats(big).max == 2**62 + 1  # exact, not rounded via float64
-    complex_stats = thing.display.array_stats(np.array([3 + 4j, 0j]))
+    assert thing.stats.array_stats(big).max == 2**62 + 1  # exact, not rounded via float64
+    complex_stats = thing.stats.array_stats(np.array([3 + 4j, 0j]))
     assert complex_stats.magnitude and complex_stats.max == 5.0
-    empty = thing.display.array_stats(np.zeros((0, 3)))
+    empty = thing.stats.array_stats(np.zeros((0, 3)))
     assert empty.count == 0 and empty.min is None
-    assert thing.display.array_stats(b"bytes") is None
+    assert thing.stats.array_stats(b"bytes") is None
 
 
 # -- status -----------------------------------------------------------------------------------
@@ -459,15 +523,29 @@ def test_status_live_view_in_a_terminal_returns_on_ctrl_c() -> None:
     try:
         child.expect(r"PORT (\d+)")
         port = int(child.match.group(1))
-        child.expect("Ctrl\\+C to stop watching")  # the spinner line of the live view
+        child.expect("press Ctrl\\+C to stop")
+        child.expect(r"thing at 127\.0\.0\.1:\d+: 0 received")  # the spinner's line
         child.expect("waiting for the first capture")
+        child.expect_exact("⠙")  # the spinner turns while nothing arrives
+        child.expect_exact("⠹")
         send(port, "assert thing.catch(np.arange(3), name='live_one').wait(10)")
         child.expect("live_one")
         child.sendintr()
-        child.expect("Stopped watching; the server is still running at port")
+        child.expect("Stopped watching; the server is still running at 127.0.0.1")
         child.expect("after status: running True")
     finally:
         child.close(force=True)
+
+
+def test_the_status_view_fits_80_columns(default: thing.Server) -> None:
+    for name in LONG_NAMES:
+        keep(default.store, name, np.zeros(768, np.float32),
+             Sender("10.0.0.7:5000", "gpu-node-17.cluster.example.org", 4242, 1, 8))
+    text = thing.live.view(default.store, default.info(), 10, width=80).text(80)
+    lines = text.splitlines()
+    assert all(len(line) <= 78 for line in lines[:1]) and all(len(line) <= 80 for line in lines)
+    assert lines[0].startswith(f"thing at 127.0.0.1:{default.port}: 2 received")
+    assert sum(1 for line in lines if "…" in line or "model.transformer" in line) == 2
 
 
 # -- help ---------------------------------------------------------------------------------
@@ -490,23 +568,81 @@ def test_help_lists_every_public_function_and_class(capsys, monkeypatch) -> None
     assert out.index("thing.catch(") < out.index("thing.serve(") < out.index("thing.Server(")
 
 
-def test_rich_is_loaded_only_when_something_is_shown() -> None:
+def test_reports_load_no_rendering_library() -> None:
     out = run_script("""
         import sys, thing
         thing.serve(port=0)
-        before = "rich" in sys.modules
         thing.summary()
-        print(before, "rich" in sys.modules)
+        thing.help()
+        print("rich" in sys.modules)
     """)
-    assert out.split()[-2:] == ["False", "True"]
+    assert out.split()[-1] == "False"
 
 
-def test_plain_text_without_rich(monkeypatch, default: thing.Server, capsys) -> None:
-    monkeypatch.setattr(thing.display, "_rich", lambda: None)
-    send(default.port, "assert thing.catch(np.arange(3.0), name='plain').wait(10)")
+def keep(store: HistoryStore, name: str, value: np.ndarray, sender: Sender) -> None:
+    """Store ``value`` as if it had arrived from ``sender``."""
+    store.reserve(value.nbytes)
+    store.fill(value.nbytes)
+    store.add(name, value, (LeafSpec("numpy", str(value.dtype), value.shape),), value.nbytes,
+              sender)
+
+
+LONG_NAMES = ("model.transformer.h.0.attn.c_attn.weight", "model.transformer.h.11.mlp.c_proj.b")
+
+
+def shown_as(token: str, name: str) -> bool:
+    """Whether ``token`` is ``name``, or ``name`` shortened in its middle with an ellipsis."""
+    head, ellipsis, tail = token.partition("…")
+    return token == name or bool(ellipsis and name.startswith(head) and name.endswith(tail)
+                                 and len(head) >= 6 and len(tail) >= 6)
+
+
+@pytest.mark.parametrize("width", [60, 80, 200])
+def test_summary_fits_the_width_a_name_per_line_a_row_per_rank(
+        default: thing.Server, width: int, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("COLUMNS", str(width))  # as a terminal of that width, or piped (80)
+    for name in LONG_NAMES:
+        for rank in (0, 1):
+            keep(default.store, name, np.full(768, rank, np.float32),
+                 Sender("10.0.0.7:5000", "gpu-node-17.cluster.example.org", 4242 + rank, rank, 2))
     thing.summary()
-    thing.describe("plain")
-    thing.help()
     out = capsys.readouterr().out
-    assert "plain" in out and "(3,)" in out and "L2 norm" in out and "thing.catch(" in out
+    assert "\x1b[" not in out
+    lines = out.splitlines()
+    assert all(len(line) <= width for line in lines), out
+    for name in LONG_NAMES:
+        rows = [line.split() for line in lines if line.split() and shown_as(line.split()[0], name)]
+        assert [row[1] for row in rows] == ["0/2", "1/2"], out  # one row per rank, by rank
+        assert all("(768,)" in row and "float32" in row for row in rows), out
+        if width == 200:
+            assert all(row[0] == name for row in rows)
+            assert "gpu-node-17.cluster.example.org:4243" in out
 
+
+def test_capture_and_reports_show_as_html_in_notebooks(default: thing.Server) -> None:
+    keep(default.store, "<script>alert(1)</script>", np.zeros(2, np.float32), Sender("x:1"))
+    capture = default.store.get("<script>alert(1)</script>")
+    page = capture._repr_html_()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "<script>" not in page
+    report = thing.reports.summary(default.store, default.info())
+    assert "<table" in report._repr_html_() and "<script>" not in report._repr_html_()
+    assert "&lt;script&gt;" in report._repr_html_()
+
+
+
+def test_a_sparse_tensor_arrives_sparse_and_is_reported(default: thing.Server, capsys) -> None:
+    torch = pytest.importorskip("torch")
+    send(default.port, """
+        import torch
+        dense = torch.tensor([[0.0, 1.5, 0.0], [2.0, 0.0, -1.0]])
+        assert thing.catch(dense.to_sparse(), name="coo").wait(10)
+        assert thing.catch(dense.to_sparse_csr(), name="csr").wait(10)
+    """)
+    dense = torch.tensor([[0.0, 1.5, 0.0], [2.0, 0.0, -1.0]])
+    coo, csr = thing.get("coo"), thing.get("csr")
+    assert coo.layout == torch.sparse_coo and csr.layout == torch.sparse_csr
+    assert torch.equal(coo.to_dense(), dense) and torch.equal(csr.to_dense(), dense)
+    thing.summary()
+    thing.describe("csr")
+    out = capsys.readouterr().out
+    assert "torch sparse_coo" in out and "torch sparse_csr" in out and "(2, 3)" in out

@@ -269,7 +269,7 @@ def test_server_and_serve_default_to_loopback(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.delenv("THING_HOST", raising=False)
     assert config.serve_host() == "127.0.0.1"
-    assert inspect.signature(thing.Server).parameters["host"].default == "127.0.0.1"
+    assert inspect.signature(thing.Server).parameters["host"].default is None  # THING_HOST
     with thing.Server(port=0) as server:
         assert server.host == "127.0.0.1" and server.token is None
 

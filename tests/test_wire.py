@@ -201,8 +201,8 @@ def test_nesting_up_to_the_limit_round_trips_and_deeper_is_refused() -> None:
 
 @pytest.mark.parametrize(
     "value",
-    [object(), {1: "int key"}, {("a",): 1}, {1.5}, [lambda: 0], np.array(["strings"]),
-     np.zeros(2, "datetime64[s]"), np.array([None], object), 1j],
+    [object(), {("a",): 1}, {float("nan"): 1}, {(1, 2)}, [lambda: 0], np.array(["strings"]),
+     np.zeros(2, "datetime64[s]"), np.array([None], object)],
     ids=repr,
 )
 def test_unsupported_values_are_refused_on_the_sending_side(value: Any) -> None:
@@ -295,7 +295,7 @@ BAD_HEADERS = {
     "scalar flag not bool": _header(leaves=[["numpy", "float32", [2, 3], 0]]),
     "scalar with shape": _header(leaves=[["numpy", "float32", [2, 3], True]]),
     "value bare list": _header(value=[{"leaf": 0}]),
-    "value unknown tag": _header(value={"set": [{"leaf": 0}]}),
+    "value unknown tag": _header(value={"object": [{"leaf": 0}]}),
     "value two tags": _header(value={"leaf": 0, "list": []}),
     "value empty object": _header(value={}),
     "leaf index missing": _header(value={"leaf": 1}),
@@ -310,8 +310,8 @@ BAD_HEADERS = {
     "dict body not list": _header(value={"dict": {"a": {"leaf": 0}}}),
     "dict entry not pair": _header(value={"dict": [["a", {"leaf": 0}, 1]]}),
     "dict entry short": _header(value={"dict": [[{"leaf": 0}]]}),
-    "dict key int": _header(value={"dict": [[1, {"leaf": 0}]]}),
-    "dict key null": _header(value={"dict": [[None, {"leaf": 0}]]}),
+    "dict key list": _header(value={"dict": [[[1], {"leaf": 0}]]}),
+    "dict key object": _header(value={"dict": [[{"leaf": 0}, None]]}),
     "too deep": _header(value=json.loads('{"list": [' * 70 + '{"leaf": 0}' + "]}" * 70)),
     "nan node not hex": _header(value={"list": [{"leaf": 0}, {"nan": "zz"}]}),
     "nan node not a nan": _header(value={"list": [{"leaf": 0}, {"nan": "0000000000000000"}]}),

@@ -19,7 +19,6 @@ import sys
 import threading
 from typing import Any
 
-from . import config
 from ._core import BACKEND
 from .client import CaptureHandle, Client
 from .errors import (
@@ -28,6 +27,7 @@ from .errors import (
     NotServing,
     ProtocolError,
     ThingError,
+    UnknownName,
     UnsupportedType,
 )
 from .repl import (
@@ -35,13 +35,13 @@ from .repl import (
     describe,
     get,
     get_all,
-    help,
     ingest_all,
     serve,
     status,
     summary,
     wait,
 )
+from .repl import help as help  # not in __all__: `from thing import *` keeps the builtin
 from .server import Server
 from .store import Capture, HistoryStore
 
@@ -62,13 +62,13 @@ __all__ = [
     "ProtocolError",
     "Server",
     "ThingError",
+    "UnknownName",
     "UnsupportedType",
     "catch",
     "clear",
     "describe",
     "get",
     "get_all",
-    "help",
     "ingest_all",
     "serve",
     "status",
@@ -113,7 +113,7 @@ def catch(
         first,
         copy=copy,
         block=block,
-        _frame=sys._getframe(1) if name is None else None,
+        _frame=sys._getframe(1),
     )
 
 
@@ -121,6 +121,5 @@ def _make_default_client() -> Client:
     global _default_client
     with _default_client_lock:
         if _default_client is None:
-            host, port = config.server_address()
-            _default_client = Client(host, port)
+            _default_client = Client()  # THING_SERVER / THING_PORT, as any Client()
         return _default_client

@@ -11,6 +11,10 @@ its sender already imported torch, and the receiving side imports them lazily,
 on the REPL's thread, the first time the user asks for a capture of theirs.
 Connection threads only ever hold numpy arrays, so a slow or concurrent import
 can never stall or break a receive.
+
+A sparse torch tensor is not one leaf but several: its dense parts travel as
+leaves (:func:`sparse_parts`) and are put together again, checked first, by
+:func:`sparse_tensor`.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from .errors import UnsupportedType
+from .errors import ProtocolError, UnsupportedType
 
 log = logging.getLogger("thing")
 
@@ -110,9 +115,13 @@ def describe_leaf(obj: Any) -> Leaf | None:
         return _numpy_leaf(obj)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
+        if obj.layout is not torch.strided:  # a sparse tensor travels as its dense parts
+            return None
         spec = LeafSpec("torch", _wire_name(obj.dtype), tuple(obj.shape))
         return Leaf(spec, obj, obj.nbytes)
     if isinstance(obj, np.str_):  # travels as the str it is
+        return None
+    if isinstance(obj, np.void) and obj.dtype.names is not None:  # travels as a dict
         return None
     if isinstance(obj, (np.ndarray, np.generic)):
         return _numpy_leaf(obj)
@@ -124,6 +133,68 @@ def describe_leaf(obj: Any) -> Leaf | None:
         spec = LeafSpec("jax", _wire_name(np.dtype(obj.dtype)), tuple(obj.shape))
         return Leaf(spec, obj, obj.nbytes)
     return None
+
+
+def is_torch_size(obj: Any) -> bool:
+    """True for a ``torch.Size`` (a tuple subclass, which must not travel as a plain tuple)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Size)
+
+
+def structured_fields(obj: Any) -> list[tuple[str, Any]] | None:
+    """The fields of a numpy structured scalar, by name; None for anything else."""
+    if isinstance(obj, np.void) and obj.dtype.names is not None:
+        return [(name, obj[name]) for name in obj.dtype.names]
+    return None
+
+
+class SparseLayout(NamedTuple):
+    """How a sparse torch layout travels: the dense tensors it is made of, and how they fit."""
+
+    parts: tuple[str, ...]  # in the order torch's constructor takes them
+    compressed_dim: int | None  # the matrix dim the first part compresses: 0 rows, 1 columns
+    blocked: bool = False  # values are blocks, whose shape divides the matrix's
+
+
+# By the name torch gives the layout (``torch.sparse_csr``); COO compresses nothing.
+SPARSE_LAYOUTS: dict[str, SparseLayout] = {
+    "sparse_coo": SparseLayout(("indices", "values"), None),
+    "sparse_csr": SparseLayout(("crow_indices", "col_indices", "values"), 0),
+    "sparse_csc": SparseLayout(("ccol_indices", "row_indices", "values"), 1),
+    "sparse_bsr": SparseLayout(("crow_indices", "col_indices", "values"), 0, blocked=True),
+    "sparse_bsc": SparseLayout(("ccol_indices", "row_indices", "values"), 1, blocked=True),
+}
+
+
+class SparseParts(NamedTuple):
+    """A sparse torch tensor taken apart: its layout's name, size and dense component tensors."""
+
+    layout: str  # a key of SPARSE_LAYOUTS
+    size: list[int]
+    parts: dict[str, Any]  # by the names of SPARSE_LAYOUTS[layout].parts
+    coalesced: bool | None  # COO only: whether torch knows its indices sorted and unique
+
+
+def sparse_parts(obj: Any) -> SparseParts | None:
+    """Take a sparse torch tensor apart without copying; None for anything but a torch tensor.
+
+    A COO tensor's parts are its indices and values as stored, order and
+    duplicates included, so an uncoalesced tensor arrives as it was sent.
+    Raises :class:`UnsupportedType` for the layouts that cannot travel (mkldnn).
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor):
+        return None
+    layout = str(obj.layout).rpartition(".")[2]
+    if layout not in SPARSE_LAYOUTS:
+        raise UnsupportedType(f"cannot send a torch tensor of layout {obj.layout}: "
+                              "strided and sparse (COO, CSR, CSC, BSR, BSC) ones travel")
+    if layout == "sparse_coo":  # indices() and values() refuse an uncoalesced tensor
+        return SparseParts(layout, list(obj.shape),
+                           {"indices": obj._indices(), "values": obj._values()},
+                           obj.is_coalesced())
+    parts = {name: getattr(obj, name)() for name in SPARSE_LAYOUTS[layout].parts}
+    return SparseParts(layout, list(obj.shape), parts, None)
 
 
 def hold(leaf: Leaf, copy: bool | None, snapshot_bytes: int) -> None:
@@ -263,6 +334,73 @@ def finish(spec: LeafSpec, received: np.ndarray) -> Any:
     if spec.scalar:
         return array[()]
     return array
+
+
+def sparse_tensor(sent: SparseParts) -> Any:
+    """A peer's sparse tensor, rebuilt from its parts (torch tensors); None without torch.
+
+    The header's validation checked the parts' shapes and dtypes against the
+    size; their indices are checked here with numpy before torch sees them,
+    and torch checks its own invariants too. Raises :class:`ProtocolError`
+    for a tensor torch would not have made.
+    """
+    torch = _torch()
+    if torch is None:
+        return None
+    layout = SPARSE_LAYOUTS[sent.layout]
+    tensors = [sent.parts[name] for name in layout.parts]
+    if layout.compressed_dim is None:
+        _check_coo_indices(tensors[0].numpy(), sent.size)
+        construct, options = torch.sparse_coo_tensor, {"is_coalesced": sent.coalesced}
+    else:
+        _check_compressed_indices(sent, layout, tensors[0].numpy(), tensors[1].numpy())
+        construct = torch.sparse_compressed_tensor
+        options = {"layout": getattr(torch, sent.layout)}
+    try:
+        with warnings.catch_warnings():  # torch's "in beta" notice is not the user's business
+            warnings.filterwarnings("ignore", "Sparse .* support is in beta")
+            return construct(*tensors, sent.size, check_invariants=True, **options)
+    except (RuntimeError, ValueError, IndexError) as exc:  # what torch's own checks raise
+        reason = str(exc).splitlines()[0]
+        raise ProtocolError(f"the peer sent an invalid {sent.layout} tensor: {reason}") from None
+
+
+def _check_coo_indices(indices: np.ndarray, size: list[int]) -> None:
+    if not indices.size:
+        return
+    lowest, highest = indices.min(axis=1), indices.max(axis=1)
+    outside = np.flatnonzero((lowest < 0) | (highest >= np.array(size[: len(lowest)], np.int64)))
+    if outside.size:
+        dim = outside[0]
+        raise ProtocolError(
+            f"the peer sent an invalid sparse_coo tensor: its indices of dim {dim} run from "
+            f"{lowest[dim]} to {highest[dim]}, outside its size {size[dim]}")
+
+
+def _check_compressed_indices(sent: SparseParts, layout: SparseLayout, compressed: np.ndarray,
+                              plain: np.ndarray) -> None:
+    nbatch = compressed.ndim - 1
+    nnz = plain.shape[-1]
+    values = sent.parts["values"]
+    block = tuple(values.shape[nbatch + 1 : nbatch + 3]) if layout.blocked else (1, 1)
+    plain_dim = 1 - layout.compressed_dim
+    plain_extent = sent.size[nbatch + plain_dim] // block[plain_dim]
+    compressed_name, plain_name = layout.parts[:2]
+    # Bounded first, so that the differences below cannot overflow and wrap around.
+    if compressed.size and (
+            compressed.min() < 0 or compressed.max() > nnz or (compressed[..., 0] != 0).any()
+            or (compressed[..., -1] != nnz).any() or (np.diff(compressed) < 0).any()):
+        raise ProtocolError(f"the peer sent an invalid {sent.layout} tensor: its "
+                            f"{compressed_name} do not rise from 0 to its {nnz} elements")
+    if plain.size and (plain.min() < 0 or plain.max() >= plain_extent):
+        raise ProtocolError(f"the peer sent an invalid {sent.layout} tensor: its {plain_name} "
+                            f"run from {plain.min()} to {plain.max()}, not below {plain_extent}")
+
+
+def torch_size(extents: list[int]) -> Any:
+    """``torch.Size(extents)``, or a tuple of them where torch is not installed."""
+    torch = _torch()
+    return tuple(extents) if torch is None else torch.Size(extents)
 
 
 def _torch() -> Any:

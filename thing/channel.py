@@ -69,7 +69,10 @@ class Pending(NamedTuple):
     payload: wire.Payload
     site: CallSite | None
     caught_at: float
+    rank: tuple[int | None, int | None]  # (rank, world size) at the call
     handle: CaptureHandle
+    # For a notice of a capture that could not be sent: {"type": ..., "reason": ...}.
+    unsent: dict[str, str] | None = None
 
 
 class SendQueue:
@@ -495,7 +498,7 @@ class Channel:
             if pending is None:
                 return
             self._room.give_back(pending.payload.nbytes)
-            if capture_id is not None:
+            if capture_id is not None and pending.unsent is None:
                 self._room.stored += 1
             elif reason is not None:
                 self._room.undelivered[reason] += 1
@@ -528,28 +531,14 @@ def _meta(pending: Pending, undelivered: dict[str, int]) -> dict[str, Any]:
     if pending.site is not None:
         site = pending.site
         meta["site"] = f"{site.file}:{site.line} ({site.function})"
-    rank, world_size = _distributed_rank()
+    rank, world_size = pending.rank
     if rank is not None:
         meta["rank"], meta["world_size"] = rank, world_size
     if undelivered:
         meta["undelivered"] = undelivered
+    if pending.unsent is not None:
+        meta["unsent"] = pending.unsent
     return meta
-
-
-def _distributed_rank() -> tuple[int | None, int | None]:
-    """Rank and world size: torch.distributed's when initialised, else RANK / WORLD_SIZE."""
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None)
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    try:
-        rank = int(os.environ["RANK"])
-    except (KeyError, ValueError):
-        return None, None
-    try:
-        return rank, int(os.environ.get("WORLD_SIZE", ""))
-    except ValueError:
-        return rank, None
 
 
 def _identity() -> dict[str, Any]:

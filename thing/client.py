@@ -26,8 +26,9 @@ from typing import Any
 
 from . import config, wire
 from .channel import Channel, Pending, SendQueue
+from .errors import UnsupportedType
 from .handles import CLOSED, NO_SERVER, SKIPPED, CaptureHandle
-from .names import NameTracer
+from .names import CallSite, NameTracer
 from .sockets import parse_address
 
 log = logging.getLogger("thing")
@@ -53,8 +54,57 @@ class _Throttle:
         return True
 
 
+class _ProcessRank:
+    """This process's (rank, world size), read at every catch for an attribute lookup or two.
+
+    torch.distributed's when a default process group exists, else ``RANK`` /
+    ``WORLD_SIZE`` from the environment (torchrun's), else ``(None, None)``.
+    Read again only when the default process group changes (created or
+    destroyed) and in a forked child: at the call, not when the capture is
+    sent, so captures made just before ``destroy_process_group()`` keep their rank.
+    """
+
+    _UNREAD = object()
+
+    def __init__(self) -> None:
+        self._group: Any = self._UNREAD
+        self._value: tuple[int | None, int | None] = (None, None)
+
+    def read(self) -> tuple[int | None, int | None]:
+        dist = sys.modules.get("torch.distributed")
+        member = getattr(dist, "GroupMember", None)
+        group = getattr(member, "WORLD", None)
+        if group is not self._group:
+            self._value = _distributed_rank(dist, group)
+            self._group = group
+        return self._value
+
+    def after_fork(self) -> None:
+        self._group = self._UNREAD
+
+
+def _distributed_rank(dist: Any, group: Any) -> tuple[int | None, int | None]:
+    if group is not None:
+        try:
+            return dist.get_rank(), dist.get_world_size()
+        except Exception:  # a group being torn down; the environment still knows
+            pass
+    try:
+        rank = int(os.environ["RANK"])
+    except (KeyError, ValueError):
+        return None, None
+    try:
+        return rank, int(os.environ.get("WORLD_SIZE", ""))
+    except ValueError:
+        return rank, None
+
+
 class Client:
     """Sends captures to a thing server; ``catch`` never blocks, raises or prints.
+
+    ``server_addr`` (``"host"`` or ``"host:port"``) and ``server_port`` default
+    to ``THING_SERVER`` and ``THING_PORT``, as for ``thing.catch``, else
+    ``localhost:2875``.
 
     ``max_queue_bytes`` / ``max_queue_items`` bound what waits to be sent
     (defaults ``THING_QUEUE_BYTES`` = 1 GiB, ``THING_QUEUE_ITEMS`` = 1024).
@@ -65,15 +115,17 @@ class Client:
 
     def __init__(
         self,
-        server_addr: str = "localhost",
-        server_port: int = config.DEFAULT_PORT,
+        server_addr: str | None = None,
+        server_port: int | None = None,
         *,
         max_queue_bytes: int | None = None,
         max_queue_items: int | None = None,
         snapshot_bytes: int | None = None,
         token: str | None = None,
     ):
-        self.address = parse_address(server_addr, server_port)
+        host, port = config.server_address()
+        self.address = parse_address(server_addr or host, port if server_port is None
+                                     else server_port)
         self.token = token
         self.max_queue_bytes = max_queue_bytes or config.queue_max_bytes()
         self.max_queue_items = max_queue_items or config.queue_max_items()
@@ -83,6 +135,7 @@ class Client:
         # Kept by a forked child, as its names are: every= counts on from the parent's.
         self._throttles: OrderedDict[str | None, _Throttle] = OrderedDict()
         self._warned: set[str] = set()
+        self._rank = _ProcessRank()
         self._start_afresh()
         self._closed = False
         _live_clients.add(self)
@@ -93,6 +146,7 @@ class Client:
         self._lock = self._queue.lock
         # server= string -> channel, oldest first; several strings may share a channel.
         self._channels: OrderedDict[str | None, Channel] = OrderedDict()
+        self._told: set[tuple[str | None, str | None, str]] = set()  # notices sent from here
 
     def catch(
         self,
@@ -118,14 +172,17 @@ class Client:
         in a full queue instead of dropping. Never raises: the handle's
         ``wait()`` is False and its ``error`` says why when not stored.
         """
+        site = None
         try:
-            site = None
+            frame = _frame or sys._getframe(1)
             if name is None:
-                name, site = self._names.name_for(_frame or sys._getframe(1))
+                name, site = self._names.name_for(frame)
             if every != 1 or first is not None:
                 throttle = self._throttles.get(name) or self._new_throttle(name)
                 if not throttle.admit(max(int(every), 1), first):
                     return SKIPPED
+            if site is None:  # given a name: where it was caught still helps describe()
+                site = self._names.site_for(frame)
             channel = self._channels.get(server) or self._open_channel(server)
             if channel is None:
                 return CLOSED
@@ -133,13 +190,35 @@ class Client:
                 with self._lock:
                     self._queue.undelivered["no server"] += 1
                 return NO_SERVER
-            pending = Pending(name, wire.take_apart(obj), site, time.time(), CaptureHandle(name))
+            pending = Pending(name, wire.take_apart(obj), site, time.time(), self._rank.read(),
+                              CaptureHandle(name))
             return channel.enqueue(pending, block, copy, self.snapshot_bytes)
         except Exception as exc:  # catch() must never raise into a training loop
-            self._warn_once(f"{type(exc).__name__}:{name}", "thing.catch(%s) failed: %s", name, exc)
+            reason = (str(exc) if isinstance(exc, UnsupportedType)
+                      else f"{type(exc).__name__}: {exc}")
+            self._warn_once(f"{type(exc).__name__}:{name}", "thing.catch(%s) failed: %s",
+                            name, reason)
             with self._lock:
                 self._queue.undelivered["failed"] += 1
-            return CaptureHandle(name, f"not sent: {type(exc).__name__}: {exc}")
+            self._tell_server(server, name, site, obj, reason)
+            return CaptureHandle(name, f"not sent: {reason}")
+
+    def _tell_server(self, server: str | None, name: str | None, site: CallSite | None,
+                     obj: Any, reason: str) -> None:
+        """Send the server a notice (no data) of a capture that could not be sent, once per
+        name and reason, so that the REPL can say what went missing and why."""
+        try:
+            key = (server, name, reason)
+            channel = self._channels.get(server)
+            if key in self._told or channel is None or len(self._told) >= self._max_names:
+                return
+            unsent = {"type": wire.type_name(obj), "reason": reason}
+            notice = Pending(name, wire.Payload(None, [], 0), site, time.time(),
+                             self._rank.read(), CaptureHandle(name), unsent)
+            if channel.enqueue(notice, False, False, 0) is notice.handle:
+                self._told.add(key)
+        except Exception as exc:  # still catch(): never raises
+            log.debug("could not tell the server about %r: %s", name, exc)
 
     def _new_throttle(self, name: str | None) -> _Throttle:
         # Bounded: a job that makes up a new name every step must not grow without end.
@@ -267,6 +346,7 @@ def _after_fork_in_child() -> None:
     for client in list(_live_clients):
         client._start_afresh()
         client._names.after_fork()
+        client._rank.after_fork()
 
 
 atexit.register(_deliver_and_close)

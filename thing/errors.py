@@ -26,3 +26,11 @@ class LimitExceeded(ProtocolError):
 
 class NotServing(ThingError, RuntimeError):
     """A REPL function was called before ``thing.serve()``."""
+
+
+class UnknownName(ThingError, KeyError):
+    """No kept capture has this name; the message lists the closest names, or says why."""
+
+    def __str__(self) -> str:
+        # KeyError would show the message as a quoted repr.
+        return str(self.args[0]) if self.args else ""

@@ -22,11 +22,13 @@ of a string, a deleted file) or cannot be matched to the call, the capture is na
 ``<function>:<line>``, after the qualified name of the calling function and the line of the
 call, for example ``<module>:3`` or ``Trainer.step:42``.
 
-Each call site gets its own name: when the same name comes from several call sites, the first
-site to catch keeps it and later ones get ``_1``, ``_2``... appended in the order they first
-catch (``loss``, ``loss_1``, ``loss_2``). A call site keeps its name for the life of the
-process, also when its module is reloaded or an unchanged Jupyter cell is run again (Jupyter
-names a cell's file after its text; terminal IPython numbers each run, making a new site).
+One variable is one history: a name is keyed by the module (its ``__name__``), the
+qualified name of the calling function and the expression, not by the line. The same
+expression caught on several lines of one function is one name, and so is a training cell
+run again in IPython or Jupyter, whose cells all belong to ``__main__`` (as do ``python -i``
+and ``exec`` of a string). The same expression in *another* function or module gets ``_1``,
+``_2``... appended, in the order they first catch (``loss``, ``loss_1``, ``loss_2``); a key
+keeps its name for the life of the process.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ from __future__ import annotations
 import ast
 import io
 import itertools
+import keyword
 import linecache
 import logging
+import re
 import threading
 import tokenize
 import types
@@ -71,7 +75,7 @@ class CallSite(NamedTuple):
 
 
 class NameTracer:
-    """Names captures after the source text of their first argument, once per call site."""
+    """Names captures after the source text of their first argument, one name per variable."""
 
     def __init__(self, keyword: str = "obj", max_sites: int = 10_000) -> None:
         """``keyword`` is the argument that carries the captured object when not positional.
@@ -86,9 +90,10 @@ class NameTracer:
         # object) on each call; the weak reference tells a reused id from the original
         # without keeping any code object (or what it references) alive.
         self._by_instruction: dict[tuple[int, int], tuple[str, CallSite, Any]] = {}
+        self._sites: dict[tuple[int, int], tuple[CallSite, Any]] = {}  # for name= captures
         # Everything below is touched only when a call site is seen for the first time.
         self._lock = threading.Lock()
-        self._by_site: dict[tuple, str] = {}
+        self._by_key: dict[tuple[str, str, str], str] = {}  # (module, function, text) -> name
         self._taken: set[str] = set()
         self._next_suffix: dict[str, int] = {}
         # filename -> (the lines linecache gave, their text, its parse); for the line-based
@@ -112,25 +117,39 @@ class NameTracer:
             return cached[0], cached[1]
         return self._resolve(frame)
 
+    def site_for(self, frame: types.FrameType) -> CallSite:
+        """The call site of a capture given its name: cached per instruction, as names are."""
+        code = frame.f_code
+        key = (id(code), frame.f_lasti)
+        cached = self._sites.get(key)
+        if cached is not None and cached[1]() is code:
+            return cached[0]
+        site = call_site(frame)
+        with self._lock:
+            self._sites[key] = (site, weakref.ref(code))
+            while len(self._sites) > self.max_sites:
+                del self._sites[next(iter(self._sites))]
+        return site
+
     def _resolve(self, frame: types.FrameType) -> tuple[str, CallSite]:
         code = frame.f_code
-        lasti = frame.f_lasti
+        site = call_site(frame)
         try:
-            site, identity, base = self._trace(frame)
+            text = self._trace(frame, site)
         except Exception as exc:  # a name is never worth failing a training step for
             log.debug("could not trace a capture name (%r); using a fallback", exc)
-            line = frame.f_lineno or 0
-            site = CallSite(code.co_filename, line, _function_name(code))
-            identity = (code.co_filename, site.function, lasti)
-            base = _fallback_name(site)
+            text = _fallback_name(site)
+        # Interactive code (IPython and Jupyter cells, python -i, exec of a string) runs in
+        # __main__, or in a namespace without a name: one module, so a re-run cell keeps
+        # its names.
+        key = (str(frame.f_globals.get("__name__", "__main__")), site.function, text)
         with self._lock:
-            name = self._by_site.get(identity)
+            name = self._by_key.get(key)
             if name is None:
-                name = self._claim(base)
-                self._by_site[identity] = name
+                name = self._by_key[key] = self._claim(text)
             cache = self._by_instruction
-            cache.pop((id(code), lasti), None)  # a stale entry goes to the back
-            cache[id(code), lasti] = (name, site, weakref.ref(code))
+            cache.pop((id(code), frame.f_lasti), None)  # a stale entry goes to the back
+            cache[id(code), frame.f_lasti] = (name, site, weakref.ref(code))
             while len(cache) > self.max_sites:
                 del cache[next(iter(cache))]
         return name, site
@@ -146,30 +165,23 @@ class NameTracer:
         self._taken.add(name)
         return name
 
-    def _trace(self, frame: types.FrameType) -> tuple[CallSite, tuple, str]:
-        """Return the call site, what identifies it across code objects, and its plain name."""
+    def _trace(self, frame: types.FrameType, site: CallSite) -> str:
+        """The normalised source text of the call's first argument, else the fallback name."""
         code = frame.f_code
-        function = _function_name(code)
         lines = linecache.getlines(code.co_filename, frame.f_globals)
         positions = _call_positions(code, frame.f_lasti)
-        if positions is not None:
-            line = positions[0]
-            argument = _argument_at(lines, positions, self.keyword) if lines else None
-            # Positions identify the call even after its code object is recompiled.
-            identity: tuple = (code.co_filename, function, *positions)
+        if not lines:
+            argument = None
+        elif positions is not None:
+            argument = _argument_at(lines, positions, self.keyword)
         else:
-            line = frame.f_lineno or 0
-            argument = self._argument_on_line(code.co_filename, lines, line) if lines else None
-            identity = (code.co_filename, function, frame.f_lasti)
-        site = CallSite(code.co_filename, line, function)
+            argument = self._argument_on_line(code.co_filename, lines, site.line)
         if argument is None:
             why = "no source" if not lines else "no single first argument found in the source"
             log.debug("%s for the capture at %s:%s; using a fallback name",
                       why, site.file, site.line)
-            base = _fallback_name(site)
-        else:
-            base = argument
-        return site, (*identity, base), base
+            return _fallback_name(site)
+        return argument
 
     def _argument_on_line(self, filename: str, lines: list[str], line: int) -> Optional[str]:
         """Best effort without column positions: the one ``...catch(arg)`` call on the line."""
@@ -200,8 +212,31 @@ class NameTracer:
         return None
 
 
-def _function_name(code: types.CodeType) -> str:
-    return getattr(code, "co_qualname", code.co_name)
+def identifier_for(name: str) -> str:
+    """The Python identifier that stands for a capture name (``thing.ingest_all`` binds it).
+
+    Every run of characters that cannot appear in an identifier becomes one
+    ``_`` and leading/trailing ``_`` are stripped (``model.lm_head.weight`` ->
+    ``model_lm_head_weight``, ``h[3]`` -> ``h_3``); a result that starts with
+    a digit, is a keyword or is empty gets a leading ``_``. ``thing.get``
+    accepts it for the name when no other name has the same identifier.
+    """
+    ident = re.sub(r"\W+", "_", name).strip("_")
+    if not ident or ident[0].isdigit() or keyword.iskeyword(ident):
+        ident = "_" + ident
+    return ident
+
+
+def call_site(frame: types.FrameType) -> CallSite:
+    """Where ``frame`` is now: its file, the line of the call it is making, its function.
+
+    The line is the first line of the call expression where Python records
+    positions (a call spread over several lines starts there).
+    """
+    code = frame.f_code
+    positions = _call_positions(code, frame.f_lasti)
+    line = positions[0] if positions is not None else frame.f_lineno or 0
+    return CallSite(code.co_filename, line, getattr(code, "co_qualname", code.co_name))
 
 
 def _fallback_name(site: CallSite) -> str:

@@ -37,7 +37,7 @@ from .buffers import ReceiveBuffers
 from .channel import NOT_DELIVERED_REASONS, SMALL_BYTES
 from .errors import HandshakeError, LimitExceeded, ProtocolError
 from .sockets import set_timeouts
-from .store import Capture, HistoryStore, Sender
+from .store import Capture, HistoryStore, Sender, UnsentNotice
 
 log = logging.getLogger("thing")
 
@@ -300,12 +300,18 @@ class Connection:
                 settings.warn(self.address, f"refused {header.name!r} from {self.address}: {exc}")
                 settings.counts.add(dropped_transfers=1)
                 return wire.encode_ack(header.seq, -1, str(exc))
+        if capture is None:  # a notice, not a capture
+            return wire.encode_ack(header.seq, -1)
         settings.counts.add(received=1)
         return wire.encode_ack(header.seq, capture.id)
 
     def _receive_payload(self, header: wire.FrameHeader, payload_len: int, fds: list[int],
-                         signature: Any, charge: _Charge) -> Capture:
-        """Receive a frame's arrays and trailer, charging the store as the bytes arrive."""
+                         signature: Any, charge: _Charge) -> Capture | None:
+        """Receive a frame's arrays and trailer, charging the store as the bytes arrive.
+
+        Returns the stored capture, or None for a notice of a capture the sender
+        could not send (``meta["unsent"]``), which the store records instead.
+        """
         settings = self.settings
         trailer = bytearray(self._trailer_size)
         if fds:  # a shared-memory frame: its bytes are all there already
@@ -327,6 +333,9 @@ class Connection:
         undelivered = _undelivered_of(meta)
         if undelivered:
             settings.store.note_undelivered(sender, undelivered)
+        if "unsent" in meta:
+            settings.store.note_unsent(_notice_of(header, sender))
+            return None
         capture = settings.store.add(
             None if header.name is None else wire.printable(header.name),
             wire.ReceivedValue(header.tree, header.leaves, arrays),
@@ -543,6 +552,21 @@ def _sender_of(meta: dict[str, Any], connection: Sender) -> Sender:
     )
 
 
+def _notice_of(header: wire.FrameHeader, sender: Sender) -> UnsentNotice:
+    """The notice a frame with ``meta["unsent"]`` carries: a name, a type and a reason, no data."""
+    unsent = header.meta["unsent"]
+    if header.leaves or header.tree is not None or not isinstance(unsent, dict):
+        raise ProtocolError("a notice of an unsent capture carries data, or no notice")
+    return UnsentNotice(
+        None if header.name is None else wire.printable(header.name),
+        _str_or(unsent.get("type"), 200) or "?",
+        _str_or(unsent.get("reason"), 1000) or "?",
+        _str_or(header.meta.get("site")),
+        sender,
+        time.time(),
+    )
+
+
 def _undelivered_of(meta: dict[str, Any]) -> dict[str, int]:
     """The sender's own count of captures it could not deliver, by reason (known ones only)."""
     counts = meta.get("undelivered")
@@ -560,5 +584,5 @@ def _float_or(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _str_or(value: Any) -> str | None:
-    return wire.printable(value[:1024]) if isinstance(value, str) else None
+def _str_or(value: Any, most: int = 1024) -> str | None:
+    return wire.printable(value[:most]) if isinstance(value, str) else None

@@ -1,23 +1,25 @@
 """The functions a researcher types in the REPL: ``thing.serve()``, ``thing.get('loss')``, ...
 
-They all act on one default :class:`~thing.server.Server` started by
-:func:`serve`. Rendering (tables, the live view) lives in ``display.py`` and
-is imported only when asked for, so ``import thing`` stays light.
+They all read the store of one default :class:`~thing.server.Server`, started
+by :func:`serve`: values straight from the :class:`~thing.store.HistoryStore`,
+reports built by ``reports.py`` and shown by ``display.py``, the live view
+by ``live.py``, variables bound by ``ingest.py``; those are imported only
+when asked for, so ``import thing`` stays light. A mistake (an unknown name,
+no server yet) ends in a short traceback that names the fix.
 """
 
 from __future__ import annotations
 
 import errno
-import keyword
+import functools
 import logging
-import re
 import socket
-import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from . import config
-from .errors import NotServing, ThingError
+from .errors import NotServing, ThingError, UnknownName
 from .server import Server
+from .store import HistoryStore, value_of
 
 log = logging.getLogger("thing")
 
@@ -40,7 +42,7 @@ def serve(port: int | None = None, host: str | None = None) -> Server:
         else:
             log.info("Server already running at port %d.", _server.port)
         return _server
-    server = Server(config.serve_port() if port is None else port, host or config.serve_host())
+    server = Server(port, host)
     try:
         server.start()
     except OSError as exc:
@@ -70,142 +72,115 @@ def default_server() -> Server:
     return _server
 
 
+Function = TypeVar("Function", bound=Callable[..., Any])
+
+
+def _short_traceback(function: Function) -> Function:
+    """A user's mistake ends in two traceback lines and the message, not the library's stack."""
+
+    @functools.wraps(function)
+    def reporting(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except (UnknownName, NotServing) as exc:
+            raise exc.with_traceback(None) from None
+
+    return reporting  # type: ignore[return-value]
+
+
+def _store() -> HistoryStore:
+    return default_server().store
+
+
+@_short_traceback
 def get(name_or_id: str | int, index: int = 0, rank: int | None = None) -> Any:
     """The newest capture of a name (``index=1``: the one before), or the capture with that id.
 
     Arrays come back as received, without a copy; containers as the same
     nested list/tuple/dict. ``rank=`` picks that distributed rank's captures.
-    An unknown name raises ``KeyError`` listing the closest known names.
+    A name's identifier also works (``"model_lm_head_weight"`` for
+    ``"model.lm_head.weight"``) when no other name has it. An unknown name
+    raises ``KeyError`` listing the closest known names.
     """
-    return default_server().get(name_or_id, index, rank)
+    return value_of(_store().get(name_or_id, index, rank))
 
 
+@_short_traceback
 def get_all(name: str, rank: int | None = None) -> list[Any]:
     """Every kept capture of ``name``, oldest to newest (``rank=``: only that rank's)."""
-    return default_server().get_all(name, rank)
+    return [value_of(capture) for capture in _store().get_all(name, rank)]
 
 
+@_short_traceback
 def wait(name: str, timeout: float | None = None) -> Any:
     """Wait for the next capture of ``name`` and return it (TimeoutError after ``timeout`` s)."""
-    return default_server().wait(name, timeout)
+    return value_of(_store().wait(name, timeout))
 
 
+@_short_traceback
 def clear(name: str | None = None) -> int:
     """Forget one name's history, or everything; returns how many captures were dropped."""
     return default_server().clear(name)
 
 
-def identifier_for(name: str) -> str:
-    """The variable name :func:`ingest_all` binds ``name`` to.
-
-    Every run of characters that cannot appear in an identifier becomes one
-    ``_`` and leading/trailing ``_`` are stripped (``model.lm_head.weight`` ->
-    ``model_lm_head_weight``, ``h[3]`` -> ``h_3``); a result that starts with
-    a digit, is a keyword or is empty gets a leading ``_``.
-    """
-    ident = re.sub(r"\W+", "_", name).strip("_")
-    if not ident or ident[0].isdigit() or keyword.iskeyword(ident):
-        ident = "_" + ident
-    return ident
-
-
-def ingest_all(overwrite: bool = False, namespace: dict[str, Any] | None = None) -> dict[str, str]:
-    """Bind the newest capture of every name as a variable in the caller's namespace.
+@_short_traceback
+def ingest_all(overwrite: bool = False, namespace: dict[str, Any] | None = None) -> Any:
+    """Bind the newest capture of every name as a variable in the REPL.
 
     The namespace is IPython's (a notebook's) user namespace when one is
     running, else the globals of the code that called. Names become
-    identifiers by :func:`identifier_for` (``model.lm_head.weight`` ->
-    ``model_lm_head_weight``). Existing variables are kept unless
-    ``overwrite=True``. Prints what was bound and skipped; returns ``{variable: name}``.
+    identifiers (``model.lm_head.weight`` -> ``model_lm_head_weight``).
+    Builtins, modules and IPython's own variables are never
+    replaced; other existing variables only with ``overwrite=True``.
+    Returns ``{variable: name}``, which shows what was bound and skipped.
     """
-    return ingest_into(default_server(), overwrite, namespace)
+    from .ingest import ingest_all as ingest
+
+    return ingest(_store(), overwrite, namespace)
 
 
-def ingest_into(server: Server, overwrite: bool = False,
-                namespace: dict[str, Any] | None = None) -> dict[str, str]:
-    """:func:`ingest_all` for any server (``Server.ingest_all`` calls this)."""
-    if namespace is None:
-        namespace = _caller_namespace()
-    bound: dict[str, str] = {}
-    kept: list[str] = []
-    clashes: list[str] = []
-    for name in server.store.names():
-        ident = identifier_for(name)
-        if ident in bound:
-            clashes.append(f"{name!r} (also {ident!r}, taken by {bound[ident]!r})")
-            continue
-        if ident in namespace and not overwrite:
-            kept.append(ident if ident == name else f"{ident} ({name!r})")
-            continue
-        try:
-            namespace[ident] = server.get(name)
-        except KeyError:  # cleared or evicted meanwhile
-            continue
-        bound[ident] = name
-    shown = [ident if ident == name else f"{ident} ({name!r})" for ident, name in bound.items()]
-    print(f"bound {_count(len(bound), 'variable')}: {', '.join(shown) or '-'}")
-    if kept:
-        print(f"kept {_count(len(kept), 'existing variable')} "
-              f"(ingest_all(overwrite=True) replaces them): {', '.join(kept)}")
-    if clashes:
-        print(f"skipped {_count(len(clashes), 'name')} whose variable was already bound: "
-              f"{', '.join(clashes)}; use thing.get(name)")
-    return bound
-
-
+@_short_traceback
 def summary(max_items: int | None = 5) -> None:
-    """Print a table of what was received: per name its latest shape, dtype, count, sender.
+    """Show a table of what was received: per name its latest shape, dtype, count, sender.
 
     Shows the ``max_items`` most recently updated names, newest first (``None``:
-    all), then counts of unnamed, evicted and refused captures and the memory held.
+    all), a row per rank when several ranks send a name, what senders could
+    not send and why, then counts of unnamed, evicted and refused captures.
+    Fits the terminal (long names are shortened in the middle); HTML in Jupyter.
     """
-    from .display import show_summary
+    from . import display, reports
 
-    show_summary(default_server(), max_items)
+    server = default_server()
+    display.show(reports.summary(server.store, server.info(), max_items))
 
 
+@_short_traceback
 def describe(name_or_id: str | int, index: int = 0, rank: int | None = None) -> None:
-    """Print everything known about a capture, with min/max/mean/std/L2 norm/NaN/Inf for arrays.
+    """Show everything known about a capture, with min/max/mean/std/L2 norm/NaN/Inf for arrays.
 
-    ``name_or_id``, ``index`` and ``rank`` select the capture as in :func:`get`.
+    ``name_or_id``, ``index`` and ``rank`` select the capture as in :func:`get`;
+    for a name its sender could not send, the reason.
     """
-    from .display import show_description
+    from . import display, reports
 
-    show_description(default_server().capture(name_or_id, index, rank), default_server())
+    display.show(reports.describe(_store(), name_or_id, index, rank))
 
 
-def status() -> None:
-    """Watch arrivals live, with a spinner; Ctrl+C returns to the prompt, the server keeps going."""
-    from .display import show_status
+@_short_traceback
+def status(watch: bool = True) -> None:
+    """Watch arrivals live. In a terminal until Ctrl+C; in Jupyter a display that updates by
+    itself while the kernel stays free (``status(False)`` stops it). The server keeps going."""
+    from . import live
 
-    show_status(default_server())
+    server = default_server()
+    live.watch(server.store, server.info, watch)
 
 
 def help() -> None:  # noqa: A001 - thing.help() is the documented entry point
     """List every public function of thing with its signature and first line."""
-    from .display import show_help
+    from . import display, reports
 
-    show_help()
-
-
-def _caller_namespace() -> dict[str, Any]:
-    """IPython's user namespace if a shell runs, else the first non-thing caller's globals."""
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    if shell is not None:
-        return shell.user_ns
-    frame = sys._getframe(1)
-    while frame.f_back is not None and _inside_thing(frame.f_globals.get("__name__")):
-        frame = frame.f_back
-    return frame.f_globals
-
-
-def _inside_thing(module: Any) -> bool:
-    return isinstance(module, str) and (module == "thing" or module.startswith("thing."))
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'' if number == 1 else 's'}"
+    display.show(reports.help_report())
 
 
 def _show_log_lines() -> None:

@@ -2,7 +2,9 @@
 
 Each connection is handled on its own thread (reading it is
 ``receiver.py``'s job), so one slow or stalled client never holds up the
-others. The :class:`Server` is also what the REPL functions query.
+others. What arrives goes into a :class:`~thing.store.HistoryStore`, which is
+what the REPL functions read; the server's query methods are the same
+functions, for programs that hold a :class:`Server` of their own.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import secrets
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +31,29 @@ from .sockets import (
     tune_stream,
     unix_socket_path,
 )
-from .store import Capture, HistoryStore, Sender
+from .store import Capture, HistoryStore, Sender, value_of
 
 log = logging.getLogger("thing")
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """A snapshot of a running server, for what the REPL shows about it."""
+
+    host: str
+    port: int
+    unix_path: Path | None
+    token_required: bool
+    clients: int  # connected now
+    dropped_transfers: int  # frames begun but not stored
+    refused: int  # connections turned away at the cap
 
 
 class Server:
     """Receives captures from any number of clients into a :class:`HistoryStore`.
 
-    ``port=0`` picks a free port (see :attr:`port` after :meth:`start`). With a
+    ``port`` defaults to ``THING_PORT`` or 2875 (``0`` picks a free port; see
+    :attr:`port` after :meth:`start`), ``host`` to ``THING_HOST`` or 127.0.0.1. With a
     ``token`` (or ``THING_TOKEN``) clients must prove they know it; listening
     beyond loopback without one generates a token (see ``thing/auth.py``).
     Use as a context manager, or call :meth:`start` and :meth:`close`.
@@ -44,15 +61,15 @@ class Server:
 
     def __init__(
         self,
-        port: int = config.DEFAULT_PORT,
-        host: str = "127.0.0.1",
+        port: int | None = None,
+        host: str | None = None,
         *,
         store: HistoryStore | None = None,
         limits: wire.Limits | None = None,
         token: str | None = None,
     ):
-        self.host = host
-        self.port = port
+        self.host = config.serve_host() if host is None else host
+        self.port = config.serve_port() if port is None else port
         # None until start(): then the token clients must prove (see auth.py), if any.
         self.token: str | None = None
         self._configured_token = token
@@ -177,15 +194,31 @@ class Server:
         with self._lock:
             return [connection.sender for connection in self._connections.values()]
 
-    # -- queries (the REPL functions call these) -----------------------------------
+    def info(self) -> ServerInfo:
+        """A snapshot of where this server listens and how its connections fare."""
+        with self._lock:
+            clients = len(self._connections)
+        return ServerInfo(self.host, self.port, self.unix_path, self.token is not None, clients,
+                          self.dropped_transfers, self.refused)
+
+    def __repr__(self) -> str:
+        if not self.running:
+            return f"<thing.Server {self.host}:{self.port}, not running>"
+        paths = "TCP" + (" and a Unix socket" if self.unix_path is not None else "")
+        token = ", token required" if self.token is not None else ""
+        kept = len(self.store)
+        return (f"<thing.Server listening at {self.host}:{self.port} over {paths}{token}; "
+                f"{self.store.received} received, {kept} kept>")
+
+    # -- queries: the REPL functions, for this server's store ------------------------
 
     def get(self, name_or_id: str | int, index: int = 0, rank: int | None = None) -> Any:
         """The newest value of a name (``index=1`` the one before, ...) or the value with an id."""
-        return _checked(self.store.get(name_or_id, index, rank)).value
+        return value_of(self.store.get(name_or_id, index, rank))
 
     def get_all(self, name: str, rank: int | None = None) -> list[Any]:
         """Every kept value of ``name``, oldest to newest."""
-        return [_checked(capture).value for capture in self.store.get_all(name, rank)]
+        return [value_of(capture) for capture in self.store.get_all(name, rank)]
 
     def capture(self, name_or_id: str | int, index: int = 0, rank: int | None = None) -> Capture:
         """The :class:`Capture` record (value plus everything known about it)."""
@@ -193,7 +226,7 @@ class Server:
 
     def wait(self, name: str, timeout: float | None = None) -> Any:
         """Block until a new capture of ``name`` arrives; return its value."""
-        return _checked(self.store.wait(name, timeout)).value
+        return value_of(self.store.wait(name, timeout))
 
     def clear(self, name: str | None = None) -> int:
         """Forget one name's history, or everything; return how many captures were dropped."""
@@ -203,36 +236,36 @@ class Server:
         return dropped
 
     def summary(self, max_items: int | None = 5) -> None:
-        """Print a table of what this server received (see ``thing.summary``)."""
-        from .display import show_summary
+        """Show a table of what this server received (see ``thing.summary``)."""
+        from . import display, reports
 
-        show_summary(self, max_items)
+        display.show(reports.summary(self.store, self.info(), max_items))
 
     def describe(self, name_or_id: str | int, index: int = 0, rank: int | None = None) -> None:
-        """Print everything known about a capture, with statistics for arrays."""
-        from .display import show_description
+        """Show everything known about a capture, with statistics for arrays."""
+        from . import display, reports
 
-        show_description(self.capture(name_or_id, index, rank), self)
+        display.show(reports.describe(self.store, name_or_id, index, rank))
 
-    def status(self) -> None:
-        """Watch arrivals live; Ctrl+C returns and the server keeps running."""
-        from .display import show_status
+    def status(self, watch: bool = True) -> None:
+        """Watch arrivals live (see ``thing.status``)."""
+        from . import live
 
-        show_status(self)
+        live.watch(self.store, self.info, watch)
 
     def ingest_all(
         self, overwrite: bool = False, namespace: dict[str, Any] | None = None
-    ) -> dict[str, str]:
-        """Bind the newest capture of every name as a variable in the caller's namespace."""
-        from .repl import ingest_into
+    ) -> Any:
+        """Bind the newest capture of every name as a variable (see ``thing.ingest_all``)."""
+        from . import ingest
 
-        return ingest_into(self, overwrite, namespace)
+        return ingest.ingest_all(self.store, overwrite, namespace)
 
     def help(self) -> None:
         """List every public function of thing with its signature."""
-        from .display import show_help
+        from . import display, reports
 
-        show_help()
+        display.show(reports.help_report())
 
     # -- connections -------------------------------------------------------------
 
@@ -361,17 +394,6 @@ def _shutdown_reading(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RD)
     except OSError:
         pass
-
-
-def _checked(capture: Capture) -> Capture:
-    """``capture``, with a warning if it may not hold the value it had when it was caught."""
-    if not capture.consistent:
-        log.warning(
-            "capture %d of %r changed between catch() and the end of its send: it holds a "
-            "later value or a mix (catch(..., copy=True) snapshots it)",
-            capture.id, capture.name,
-        )
-    return capture
 
 
 def _format_address(address: Any) -> str:

@@ -12,6 +12,7 @@ are the arrays :meth:`HistoryStore.get` hands out, never copies.
 from __future__ import annotations
 
 import difflib
+import logging
 import numbers
 import threading
 import time
@@ -22,13 +23,18 @@ from typing import Any
 
 from . import config
 from .arrays import LeafSpec
-from .errors import LimitExceeded
+from .errors import LimitExceeded, UnknownName
+from .names import identifier_for
 from .wire import ReceivedValue, build_value
+
+log = logging.getLogger("thing")
 
 # What one capture's record costs beyond its array bytes: the Capture object, its
 # Sender, its LeafSpecs and dictionary entries. Charged so that a flood of tiny
 # captures (scalars travel in the header, with no payload) is bounded too.
 RECORD_BYTES = 512
+# Notices of captures that could not be sent, kept at most (each is a few hundred bytes).
+MAX_NOTICES = 1000
 
 
 @dataclass(frozen=True)
@@ -84,12 +90,44 @@ class Capture:
     def rank(self) -> int | None:
         return self.sender.rank
 
+    def _repr_html_(self) -> str:  # Jupyter shows a capture as its description
+        from .reports import capture_report
+
+        return capture_report(self).html()
+
     def __repr__(self) -> str:
         flag = "" if self.consistent else ", inconsistent"
         return f"<Capture {self.id} {self.name!r} from {self.sender.address}{flag}>"
 
 
 _building = threading.Lock()
+
+
+def value_of(capture: Capture) -> Any:
+    """``capture.value``, with a warning when it may not hold the value it had when caught."""
+    if not capture.consistent:
+        log.warning(
+            "capture %d of %r changed between catch() and the end of its send: it holds a "
+            "later value or a mix (catch(..., copy=True) snapshots it)",
+            capture.id, capture.name,
+        )
+    return capture.value
+
+
+@dataclass(frozen=True)
+class UnsentNotice:
+    """A sender's word that it could not send a capture of ``name``, and why (no data).
+
+    A client tells the server once per name and reason; ``at`` is when the
+    newest such notice arrived.
+    """
+
+    name: str | None
+    type_name: str
+    reason: str
+    call_site: str | None
+    sender: Sender
+    at: float
 
 
 @dataclass(frozen=True)
@@ -100,7 +138,7 @@ class StoreOverview:
     kept, most recently updated name first.
     """
 
-    names: list[tuple[Capture, int]]
+    names: list[tuple[Capture, int]]  # one per (name, rank) when several ranks send a name
     name_count: int  # names with a kept capture, shown or not
     captures: int  # kept now, named and unnamed
     unnamed: int
@@ -109,6 +147,7 @@ class StoreOverview:
     rejected: int  # refused because they could never fit
     inconsistent: int  # kept captures whose sender saw them change after the call
     undelivered: dict[str, int]  # caught but never delivered, by reason, as senders reported
+    unsent: list[UnsentNotice]  # what senders could not send, and why; newest first
     held_bytes: int
     max_bytes: int
     max_versions: int | None
@@ -145,6 +184,8 @@ class HistoryStore:
         # (hostname, pid) -> the sender's own count of captures it could not deliver, by
         # reason, as it last reported them; bounded, the oldest sender forgotten first.
         self._undelivered: OrderedDict[tuple[str, int], dict[str, int]] = OrderedDict()
+        # (name, reason) -> the newest notice of it; bounded, the oldest forgotten first.
+        self._unsent: OrderedDict[tuple[str | None, str], UnsentNotice] = OrderedDict()
 
     # -- receiving ---------------------------------------------------------------
 
@@ -185,6 +226,21 @@ class HistoryStore:
             self._undelivered[key] = counts
             while len(self._undelivered) > 1000:
                 self._undelivered.popitem(last=False)
+
+    def note_unsent(self, notice: UnsentNotice) -> None:
+        """Record a sender's notice that it could not send a capture, and why."""
+        key = (notice.name, notice.reason)
+        with self._changed:
+            self._unsent.pop(key, None)
+            self._unsent[key] = notice
+            while len(self._unsent) > MAX_NOTICES:
+                self._unsent.popitem(last=False)
+
+    def unsent(self, name: str | None = None) -> list[UnsentNotice]:
+        """Notices of captures senders could not send (of ``name``, or all), newest first."""
+        with self._changed:
+            return [notice for notice in reversed(self._unsent.values())
+                    if name is None or notice.name == name]
 
     def release(self, nbytes: int, filled: int) -> None:
         """Give back a claim of ``nbytes`` (``filled`` of them arrived) not stored after all."""
@@ -267,7 +323,8 @@ class HistoryStore:
         with self._changed:
             if isinstance(key, numbers.Integral) and not isinstance(key, bool):
                 if int(key) not in self._by_id:
-                    raise KeyError(f"no capture with id {key} (evicted, cleared or never received)")
+                    raise UnknownName(f"no capture with id {key} (evicted, cleared or never "
+                                      "received)")
                 return self._by_id[int(key)]
             history = self._history(key, rank)
             if not -len(history) <= index < len(history):
@@ -282,20 +339,35 @@ class HistoryStore:
             return self._history(name, rank)
 
     def _history(self, name: str, rank: int | None) -> list[Capture]:
-        if not isinstance(name, str):
-            raise TypeError(f"a capture is looked up by name (str) or id (int), not {name!r}")
-        if name not in self._by_name:
-            raise KeyError(self._unknown(name))
+        name = self._resolve(name)
         history = list(self._by_name[name])
         if rank is not None:
             history = [capture for capture in history if capture.rank == rank]
             if not history:
                 ranks = sorted({c.rank for c in self._by_name[name]}, key=lambda r: (r is None, r))
-                raise KeyError(f"no capture named {name!r} from rank {rank}; it came from "
-                               f"rank(s) {', '.join(map(str, ranks))}")
+                raise UnknownName(f"no capture named {name!r} from rank {rank}; it came from "
+                                  f"rank(s) {', '.join(map(str, ranks))}")
         return history
 
+    def _resolve(self, name: str) -> str:
+        """``name`` itself, or the one kept name whose identifier it is (``h_3`` for ``h[3]``)."""
+        if not isinstance(name, str):
+            raise TypeError(f"a capture is looked up by name (str) or id (int), not {name!r}")
+        if name in self._by_name:
+            return name
+        aliased = [known for known in self._by_name if identifier_for(known) == name]
+        if len(aliased) == 1:
+            return aliased[0]
+        if aliased:
+            raise UnknownName(f"{name!r} stands for several names: "
+                              f"{', '.join(map(repr, aliased))}; use one of them")
+        raise UnknownName(self._unknown(name))
+
     def _unknown(self, name: str) -> str:
+        notice = next((n for n in reversed(self._unsent.values()) if n.name == name), None)
+        if notice is not None:
+            return (f"nothing named {name!r} arrived: its sender could not send it "
+                    f"({notice.reason})")
         known = list(self._by_name)
         close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
         # A name typed without its prefix or suffix ("weight" for "model.lm_head.weight").
@@ -335,12 +407,13 @@ class HistoryStore:
             recent = reversed(self._updated)
             if max_names is not None:
                 recent = islice(recent, max(max_names, 0))
-            names = [(self._by_name[name][-1], len(self._by_name[name])) for name in recent]
+            names = [row for name in recent for row in _newest_per_rank(self._by_name[name])]
             return StoreOverview(
                 names=names, name_count=len(self._by_name), captures=len(self._by_id),
                 unnamed=self._unnamed,
                 received=self._next_id, evicted=self.evicted, rejected=self.rejected,
                 inconsistent=self._flagged, undelivered=self._undelivered_total(),
+                unsent=list(reversed(self._unsent.values())),
                 held_bytes=self._held, max_bytes=self.max_bytes, max_versions=self.max_versions,
             )
 
@@ -374,7 +447,10 @@ class HistoryStore:
             if after is None:
                 after = self._next_id - 1
             while True:
-                history = self._by_name.get(name)
+                try:
+                    history = self._by_name[self._resolve(name)]
+                except UnknownName:
+                    history = None
                 if history and history[-1].id > after:
                     return history[-1]
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -388,10 +464,9 @@ class HistoryStore:
         with self._changed:
             if name is None:
                 dropped = list(self._by_id.values())
-            elif name in self._by_name:
-                dropped = list(self._by_name[name])
+                self._unsent.clear()
             else:
-                raise KeyError(self._unknown(name))
+                dropped = list(self._by_name[self._resolve(name)])
             for capture in dropped:
                 self._drop(capture)
             return len(dropped)
@@ -405,6 +480,17 @@ class HistoryStore:
         return len(self._by_id)
 
 
+def _newest_per_rank(history: deque[Capture]) -> list[tuple[Capture, int]]:
+    """``(newest capture, versions kept)`` of each rank that sent a name, by rank."""
+    newest: dict[int | None, Capture] = {}
+    counts: dict[int | None, int] = {}
+    for capture in reversed(history):
+        newest.setdefault(capture.rank, capture)
+        counts[capture.rank] = counts.get(capture.rank, 0) + 1
+    ranks = sorted(newest, key=lambda rank: (rank is None, rank or 0))
+    return [(newest[rank], counts[rank]) for rank in ranks]
+
+
 def _header_bytes(value: Any) -> int:
     """Rough bytes held by the parts of a value that travelled in the header, not as arrays."""
     total = 0
@@ -416,12 +502,13 @@ def _header_bytes(value: Any) -> int:
         elif isinstance(node, dict):
             total += 64 + 100 * len(node)
             for key, item in node.items():
-                total += 50 + len(key)
+                stack.append(key)
                 stack.append(item)
-        elif isinstance(node, (list, tuple)):
-            total += 56 + 8 * len(node)
+        elif isinstance(node, (list, tuple, set, frozenset)):
+            total += 56 + 8 * len(node) + (32 * len(node) if isinstance(node, (set, frozenset))
+                                           else 0)
             stack.extend(node)
-        elif isinstance(node, (int, float)) or node is None:
+        elif isinstance(node, (int, float, complex)) or node is None:
             total += 32
         # arrays and bytes: their bytes were reserved as payload
     return total

@@ -16,7 +16,23 @@ from typing import Any
 
 from . import config
 from ._core import recv_buffers
-from .arrays import CARRIER_DTYPES, FRAMEWORKS, Leaf, LeafSpec, describe_leaf, finish, hold
+from .arrays import (
+    CARRIER_DTYPES,
+    FRAMEWORKS,
+    SPARSE_LAYOUTS,
+    Leaf,
+    LeafSpec,
+    SparseLayout,
+    SparseParts,
+    describe_leaf,
+    finish,
+    hold,
+    is_torch_size,
+    sparse_parts,
+    sparse_tensor,
+    structured_fields,
+    torch_size,
+)
 from .errors import HandshakeError, LimitExceeded, ProtocolError, UnsupportedType
 
 MAGIC = b"THNG"
@@ -131,7 +147,11 @@ _SINGLE_LEAF = {"leaf": 0}
 def take_apart(value: Any, max_depth: int = 64) -> Payload:
     """Split ``value`` into a JSON tree and its array leaves, touching no array data.
 
-    Raises :class:`UnsupportedType` for anything that cannot travel.
+    What travels: numpy, torch (strided or sparse) and jax arrays, numpy scalars,
+    bytes; None, bool, int, float, complex, str; lists, tuples, ``torch.Size``,
+    dicts keyed by str, int, bool, None or finite floats, and sets and frozensets
+    of hashable scalars, nested. A numpy structured scalar travels, and arrives,
+    as a dict of its fields. Raises :class:`UnsupportedType` for anything else.
     """
     leaf = describe_leaf(value)
     if leaf is not None:  # the common case, kept short: catch() runs in training loops
@@ -141,31 +161,119 @@ def take_apart(value: Any, max_depth: int = 64) -> Payload:
     return Payload(tree, leaves, sum(leaf.nbytes for leaf in leaves))
 
 
+_SCALARS = (bool, int, float, complex, str)
+_WHAT_TRAVELS = ("arrays, bytes, None, bool, int, float, complex, str, and lists, tuples, "
+                 "dicts and sets of them")
+
+
 def _walk(obj: Any, leaves: list[Leaf], depth: int) -> Any:
     if depth < 0:
         raise UnsupportedType("containers nested too deeply")
-    if type(obj) is float and obj != obj:  # JSON would spell every NaN alike
-        return {"nan": struct.pack("<d", obj).hex()}
-    if obj is None or type(obj) in (bool, int, float, str):
+    if type(obj) is float:
+        return obj if obj == obj else _nan_node(obj)
+    if obj is None or type(obj) in (bool, int, str):
         return obj
     leaf = describe_leaf(obj)
     if leaf is not None:
         leaves.append(leaf)
         return {"leaf": len(leaves) - 1}
-    for plain in (int, float, str):  # subclasses, e.g. an IntEnum, travel as their base
-        if isinstance(obj, plain):
-            return plain(obj)
-    if isinstance(obj, (list, tuple)):
-        tag = "list" if isinstance(obj, list) else "tuple"
-        return {tag: [_walk(item, leaves, depth - 1) for item in obj]}
+    if isinstance(obj, _SCALARS):
+        return _scalar_node(obj)
+    if isinstance(obj, list):
+        return {"list": [_walk(item, leaves, depth - 1) for item in obj]}
+    if isinstance(obj, tuple):
+        if is_torch_size(obj):
+            return _size_node(obj)
+        return {"tuple": [_walk(item, leaves, depth - 1) for item in obj]}
     if isinstance(obj, dict):
-        items = []
-        for key, item in obj.items():
-            if not isinstance(key, str):
-                raise UnsupportedType(f"dict keys must be str, not {type(key).__qualname__}")
-            items.append([key, _walk(item, leaves, depth - 1)])
-        return {"dict": items}
-    raise UnsupportedType(f"cannot send an object of type {type(obj).__qualname__}")
+        return _dict_node(obj.items(), leaves, depth)
+    if isinstance(obj, (set, frozenset)):
+        return _set_node(obj, depth)
+    fields = structured_fields(obj)
+    if fields is not None:
+        return _dict_node(fields, leaves, depth)
+    sparse = sparse_parts(obj)
+    if sparse is not None:
+        return _sparse_node(sparse, leaves)
+    raise UnsupportedType(f"cannot send an object of type {type_name(obj)}: "
+                          f"thing sends {_WHAT_TRAVELS}")
+
+
+def _float_node(number: float) -> Any:
+    return number if number == number else _nan_node(number)
+
+
+def _nan_node(nan: float) -> Any:
+    return {"nan": struct.pack("<d", nan).hex()}  # JSON would spell every NaN alike
+
+
+def _scalar_node(obj: Any) -> Any:
+    """None, a bool, int, float, complex or str; a subclass (an IntEnum) travels as its base."""
+    if obj is None or type(obj) is bool:
+        return obj
+    if isinstance(obj, float):
+        return _float_node(float(obj))
+    if isinstance(obj, complex):
+        return {"complex": [_float_node(obj.real), _float_node(obj.imag)]}
+    return int(obj) if isinstance(obj, int) else str(obj)
+
+
+def _size_node(size: tuple[int, ...]) -> Any:
+    extents = list(size)
+    if not _is_shape(extents):
+        raise UnsupportedType(f"cannot send {size}: a torch.Size travels with at most "
+                              f"{_NDIM_MAX} extents from 0 to 2**62")
+    return {"size": extents}
+
+
+def _dict_node(items: Any, leaves: list[Leaf], depth: int) -> Any:
+    return {"dict": [[key if type(key) is str else _dict_key(key), _walk(item, leaves, depth - 1)]
+                     for key, item in items]}
+
+
+def _dict_key(key: Any) -> Any:
+    # JSON keeps these apart (1, 1.0, true, null and "1" all read back as what they were),
+    # so a key travels as itself, and a str-keyed dict as compactly as before.
+    if key is None or type(key) in (int, bool):
+        return key
+    if isinstance(key, (int, str)) or isinstance(key, float) and math.isfinite(key):
+        return _scalar_node(key)  # a subclass (an IntEnum, a numpy float64) travels as its base
+    shown = repr(key) if isinstance(key, float) else type_name(key)
+    raise UnsupportedType(f"dict keys must be str, int, bool, None or finite floats, not {shown}")
+
+
+def _set_node(items: set[Any] | frozenset[Any], depth: int) -> Any:
+    tag = "frozenset" if isinstance(items, frozenset) else "set"
+    return {tag: [_set_item_node(item, depth - 1) for item in items]}
+
+
+def _set_item_node(item: Any, depth: int) -> Any:
+    if depth < 0:
+        raise UnsupportedType("containers nested too deeply")
+    if item is None or isinstance(item, _SCALARS):
+        return _scalar_node(item)
+    if isinstance(item, frozenset):
+        return _set_node(item, depth)
+    raise UnsupportedType(f"a set can hold None, bool, int, float, complex, str and frozensets "
+                          f"of them, not {type_name(item)}")
+
+
+def _sparse_node(sparse: SparseParts, leaves: list[Leaf]) -> Any:
+    body: dict[str, Any] = {"layout": sparse.layout, "size": sparse.size}
+    if sparse.coalesced is not None:
+        body["coalesced"] = sparse.coalesced
+    for name, part in sparse.parts.items():
+        leaves.append(describe_leaf(part))
+        body[name] = {"leaf": len(leaves) - 1}
+    return {"sparse": body}
+
+
+def type_name(obj: Any) -> str:
+    """The qualified name of ``obj``'s type, as errors and notices name it (``numpy.ndarray``)."""
+    kind = type(obj)
+    if kind.__module__ == "builtins":
+        return kind.__qualname__
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def encode_header(seq: int, name: str | None, payload: Payload, meta: dict[str, Any]) -> bytes:
@@ -281,7 +389,7 @@ def decode_header(raw: bytes, payload_len: int, limits: Limits) -> FrameHeader:
     if total != payload_len:
         raise ProtocolError(f"leaves describe {total} bytes but the payload holds {payload_len}")
     used = [False] * len(leaves)
-    _check_tree(document["value"], used, limits.max_depth)
+    _check_tree(document["value"], leaves, used, limits.max_depth)
     if not all(used):
         raise ProtocolError("header lists leaves its value does not use")
     return FrameHeader(seq, name, document["value"], leaves, meta)
@@ -315,7 +423,7 @@ def _decode_leaves(raw: Any, limits: Limits) -> tuple[LeafSpec, ...]:
     return tuple(specs)
 
 
-def _check_tree(node: Any, used: list[bool], depth: int) -> None:
+def _check_tree(node: Any, specs: tuple[LeafSpec, ...], used: list[bool], depth: int) -> None:
     if depth < 0:
         raise ProtocolError("value nested too deeply")
     if node is None or isinstance(node, (bool, str, int, float)):
@@ -323,27 +431,152 @@ def _check_tree(node: Any, used: list[bool], depth: int) -> None:
     if not isinstance(node, dict) or len(node) != 1:
         raise ProtocolError("value node is not a tagged container")
     ((tag, body),) = node.items()
-    if tag == "nan":
-        if not (isinstance(body, str) and math.isnan(_nan_of(body))):
-            raise ProtocolError("nan node is not the 16 hex digits of a NaN")
-    elif tag == "leaf":
-        if not _is_int(body) or not 0 <= body < len(used) or used[body]:
-            raise ProtocolError("value refers to a missing or repeated leaf")
-        used[body] = True
+    if tag == "leaf":
+        _use_leaf(node, specs, used)
     elif tag in ("list", "tuple"):
         if not isinstance(body, list):
             raise ProtocolError(f"{tag} node is not a list")
         for item in body:
-            _check_tree(item, used, depth - 1)
+            _check_tree(item, specs, used, depth - 1)
     elif tag == "dict":
         if not isinstance(body, list):
             raise ProtocolError("dict node is not a list of pairs")
+        keys: set[Any] = set()
         for pair in body:
-            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
-                raise ProtocolError("dict entry is not a [str, value] pair")
-            _check_tree(pair[1], used, depth - 1)
+            if not (isinstance(pair, list) and len(pair) == 2 and _is_dict_key(pair[0])):
+                raise ProtocolError("dict entry is not a [key, value] pair with a str, int, "
+                                    "bool, null or finite float key")
+            keys.add(pair[0])
+            _check_tree(pair[1], specs, used, depth - 1)
+        if len(keys) != len(body):  # all but one value of a repeated key would vanish
+            raise ProtocolError("dict node repeats a key (1, 1.0 and true are one key)")
+    elif tag == "set":
+        _check_set(tag, body, depth)
+    elif tag in _HASHABLE_TAGS:
+        _check_hashable(node, depth)
+    elif tag == "size":
+        if not _is_shape(body):
+            raise ProtocolError(f"size node is not a list of at most {_NDIM_MAX} extents")
+    elif tag == "sparse":
+        _check_sparse(body, specs, used)
     else:
         raise ProtocolError(f"unknown value node {tag!r}")
+
+
+_HASHABLE_TAGS = ("nan", "complex", "frozenset")
+
+
+def _check_set(tag: str, body: Any, depth: int) -> None:
+    if not isinstance(body, list):
+        raise ProtocolError(f"{tag} node is not a list")
+    for item in body:
+        _check_hashable(item, depth - 1)
+
+
+def _check_hashable(node: Any, depth: int) -> None:
+    """A node that may be a set's item: a scalar, or a nan, complex or frozenset node."""
+    if depth < 0:
+        raise ProtocolError("value nested too deeply")
+    if node is None or isinstance(node, (bool, str, int, float)):
+        return
+    tag = next(iter(node)) if isinstance(node, dict) and len(node) == 1 else None
+    if tag == "nan":
+        if not _is_nan_node(node):
+            raise ProtocolError("nan node is not the 16 hex digits of a NaN")
+    elif tag == "complex":
+        parts = node[tag]
+        if not (isinstance(parts, list) and len(parts) == 2
+                and all(type(part) is float or _is_nan_node(part) for part in parts)):
+            raise ProtocolError("complex node is not a list of two floats")
+    elif tag == "frozenset":
+        _check_set(tag, node[tag], depth)
+    else:
+        raise ProtocolError("a set item is not None, a bool, int, float, complex, str or "
+                            "frozenset")
+
+
+def _is_nan_node(node: Any) -> bool:
+    text = node.get("nan") if isinstance(node, dict) and len(node) == 1 else None
+    return isinstance(text, str) and math.isnan(_nan_of(text))
+
+
+def _is_dict_key(key: Any) -> bool:
+    return key is None or isinstance(key, (str, int)) or (
+        isinstance(key, float) and math.isfinite(key))
+
+
+def _is_shape(extents: Any) -> bool:
+    return isinstance(extents, list) and len(extents) <= _NDIM_MAX and all(
+        _is_int(extent) and 0 <= extent <= _DIM_MAX for extent in extents)
+
+
+def _use_leaf(node: Any, specs: tuple[LeafSpec, ...], used: list[bool]) -> LeafSpec:
+    """Mark the leaf a ``{"leaf": i}`` node refers to as used; return its spec."""
+    index = node.get("leaf") if isinstance(node, dict) and len(node) == 1 else None
+    if not _is_int(index) or not 0 <= index < len(used) or used[index]:
+        raise ProtocolError("value refers to a missing or repeated leaf")
+    used[index] = True
+    return specs[index]
+
+
+def _check_sparse(body: Any, specs: tuple[LeafSpec, ...], used: list[bool]) -> None:
+    """A sparse node's keys, leaves and shapes; its indices are checked when it is built."""
+    layout_name = body.get("layout") if isinstance(body, dict) else None
+    if not isinstance(layout_name, str) or layout_name not in SPARSE_LAYOUTS:
+        raise ProtocolError("sparse node is not an object with a known layout")
+    layout = SPARSE_LAYOUTS[layout_name]
+    keys = {"layout", "size", *layout.parts}
+    if layout.compressed_dim is None:
+        keys.add("coalesced")
+    if set(body) != keys:
+        raise ProtocolError(f"{layout_name} node does not hold exactly {sorted(keys)}")
+    size = body["size"]
+    # torch counts a sparse tensor's elements in an int64, however few are stored
+    if not _is_shape(size) or math.prod(size) >= 1 << 63:
+        raise ProtocolError(f"{layout_name} size is not a list of at most {_NDIM_MAX} extents")
+    if layout.compressed_dim is None and not isinstance(body["coalesced"], bool):
+        raise ProtocolError("sparse_coo coalesced is not true or false")
+    parts = [_use_leaf(body[name], specs, used) for name in layout.parts]
+    if any(part.framework != "torch" or part.scalar for part in parts):
+        raise ProtocolError(f"{layout_name} parts are not torch tensors")
+    if layout.compressed_dim is None:
+        fits = _coo_parts_fit(tuple(size), *parts)
+    else:
+        fits = _compressed_parts_fit(layout, tuple(size), *parts)
+    if not fits:
+        shapes = ", ".join(f"{name} {part.dtype}{list(part.shape)}"
+                           for name, part in zip(layout.parts, parts))
+        raise ProtocolError(f"{layout_name} parts ({shapes}) do not make a tensor of size {size}")
+
+
+def _coo_parts_fit(size: tuple[int, ...], indices: LeafSpec, values: LeafSpec) -> bool:
+    # indices: (sparse dims, nnz); values: (nnz, *dense dims)
+    if indices.dtype != "int64" or len(indices.shape) != 2:
+        return False
+    sparse_dim, nnz = indices.shape
+    return sparse_dim <= len(size) and values.shape == (nnz, *size[sparse_dim:])
+
+
+def _compressed_parts_fit(layout: SparseLayout, size: tuple[int, ...], compressed: LeafSpec,
+                          plain: LeafSpec, values: LeafSpec) -> bool:
+    # compressed: (*batch, compressed extent + 1); plain: (*batch, nnz);
+    # values: (*batch, nnz, *block, *dense); size: (*batch, rows, columns, *dense)
+    if compressed.dtype not in ("int32", "int64") or plain.dtype != compressed.dtype:
+        return False
+    nbatch = len(compressed.shape) - 1
+    if nbatch < 0 or len(plain.shape) != nbatch + 1:
+        return False
+    batch, nnz = plain.shape[:-1], plain.shape[-1]
+    block = values.shape[nbatch + 1 : nbatch + 3] if layout.blocked else (1, 1)
+    dense = values.shape[nbatch + 1 + (2 if layout.blocked else 0) :]
+    matrix = size[nbatch : nbatch + 2]
+    if (compressed.shape[:-1] != batch or values.shape[: nbatch + 1] != (*batch, nnz)
+            or len(block) != 2 or 0 in block or len(matrix) != 2
+            or size != (*batch, *matrix, *dense)):
+        return False
+    dim = layout.compressed_dim
+    return (matrix[0] % block[0] == 0 and matrix[1] % block[1] == 0
+            and compressed.shape[-1] == matrix[dim] // block[dim] + 1)
 
 
 class ReceivedValue:
@@ -362,12 +595,22 @@ class ReceivedValue:
         self.arrays = arrays
 
     def build(self) -> Any:
-        """The sent object, sharing the received arrays' memory."""
-        return build_value(self.tree, [finish(s, a) for s, a in zip(self.specs, self.arrays)])
+        """The sent object, sharing the received arrays' memory.
+
+        Raises :class:`ProtocolError` for a sparse tensor whose indices torch would refuse.
+        """
+        leaves = [finish(s, a) for s, a in zip(self.specs, self.arrays)]
+        return build_value(self.tree, leaves, frameworks=True)
 
 
-def build_value(tree: Any, leaves: list[Any]) -> Any:
-    """Rebuild the sent object from a validated tree and its received leaves."""
+def build_value(tree: Any, leaves: list[Any], frameworks: bool = False) -> Any:
+    """Rebuild the sent object from a validated tree and its received leaves.
+
+    With ``frameworks``, a ``torch.Size`` and a sparse tensor are built as torch
+    objects (importing torch: the REPL's thread only). Without, or where torch is
+    not installed, they are a tuple and a dict ``{"layout", "size", ...its parts}``:
+    what a connection thread may build, e.g. to measure a value.
+    """
     if not isinstance(tree, dict):
         return tree
     ((tag, body),) = tree.items()
@@ -376,10 +619,33 @@ def build_value(tree: Any, leaves: list[Any]) -> Any:
     if tag == "nan":
         return _nan_of(body)
     if tag == "list":
-        return [build_value(item, leaves) for item in body]
+        return [build_value(item, leaves, frameworks) for item in body]
     if tag == "tuple":
-        return tuple(build_value(item, leaves) for item in body)
-    return {key: build_value(item, leaves) for key, item in body}
+        return tuple(build_value(item, leaves, frameworks) for item in body)
+    if tag == "dict":
+        return {key: build_value(item, leaves, frameworks) for key, item in body}
+    if tag == "complex":
+        real, imag = (build_value(part, leaves) for part in body)
+        return complex(real, imag)  # from two floats, each kept bit for bit (NaN, -0.0)
+    if tag in ("set", "frozenset"):
+        items = (build_value(item, leaves) for item in body)
+        return set(items) if tag == "set" else frozenset(items)
+    if tag == "size":
+        return torch_size(body) if frameworks else tuple(body)
+    return _build_sparse(body, leaves, frameworks)
+
+
+def _build_sparse(body: dict[str, Any], leaves: list[Any], frameworks: bool) -> Any:
+    layout = body["layout"]
+    parts = {name: leaves[body[name]["leaf"]] for name in SPARSE_LAYOUTS[layout].parts}
+    sent = SparseParts(layout, body["size"], parts, body.get("coalesced"))
+    tensor = sparse_tensor(sent) if frameworks else None
+    if tensor is not None:
+        return tensor
+    described = {"layout": layout, "size": tuple(sent.size), **parts}
+    if sent.coalesced is not None:
+        described["coalesced"] = sent.coalesced
+    return described
 
 
 def encode_ack(seq: int, capture_id: int, error: str | None = None) -> bytes:

@@ -1,7 +1,8 @@
 """Chooses the byte movers: the compiled ``_transport`` or its pure-Python twin.
 
-``THING_PUREPYTHON=1`` forces the twin; it is also used, with a log line,
-when the extension cannot be imported (a source checkout that was never built).
+``THING_PUREPYTHON=1`` forces the twin; it is also used, with a warning that
+says how to build, when the extension cannot be imported (a source checkout
+that was never built).
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ else:
         from .fallback import PrivateMapping, copy_into, recv_buffers, send_buffers
 
         BACKEND = "python"
-        logging.getLogger("thing").info("compiled core unavailable (%s); using pure Python", exc)
+        # Said once, at import, where it can be seen: most likely a source checkout on the
+        # path that was never built (python started in the repository's folder).
+        logging.getLogger("thing").warning(
+            "thing's compiled core is not built (%s), so thing runs on its slower pure-Python "
+            "twin. Imported from %s: build it with `python -m pip install -e %s`, or start "
+            "Python outside that folder to use the installed thing.",
+            exc, os.path.dirname(os.path.dirname(__file__)),
+            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 __all__ = ["BACKEND", "PrivateMapping", "copy_into", "recv_buffers", "send_buffers"]

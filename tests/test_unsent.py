@@ -1,0 +1,97 @@
+"""What cannot be sent is said where the user looks: the handle, and the REPL.
+
+The training job stays silent (a log line at most); the client sends the
+server one small notice per name and reason, with no data, and the REPL's
+summary(), describe() and get() tell the user what went missing and why.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import thing
+import thing.reports
+
+from .conftest import run_script
+
+UNSENDABLE = """
+import json, thing
+
+class Opaque:
+    pass
+
+things = {"opaque": Opaque(), "a_range": range(3), "generator": (i for i in range(2)),
+          "nan_key": {float("nan"): 1.0}, "nested": {"ok": 1, "bad": [Opaque()]}}
+errors = {}
+for name, value in things.items():
+    for _ in range(5):  # told once per name and reason
+        handle = thing.catch(value, name=name)
+    errors[name] = handle.error
+def traced():
+    obj = Opaque()
+    return thing.catch(obj).error
+errors["traced"] = traced()  # python -c has no source: named "traced:<line>"
+assert thing.catch(1.5, name="fine").wait(10)
+print(json.dumps(errors))
+"""
+
+
+def test_what_cannot_be_sent_is_told_to_the_repl_once_per_name_and_reason(
+        server: thing.Server, monkeypatch, capsys) -> None:
+    errors = json.loads(run_script(UNSENDABLE, server.port))
+    for name, error in errors.items():
+        assert error.startswith("not sent: ") and "thing' log" not in error, (name, error)
+    assert "Opaque" in errors["opaque"] and "range" in errors["a_range"]
+    assert "generator" in errors["generator"] and "Opaque" in errors["nested"]
+
+    notices = {notice.name.partition(":")[0]: notice for notice in server.store.unsent()}
+    assert set(notices) == {"opaque", "a_range", "generator", "nan_key", "nested", "traced"}
+    for name, notice in notices.items():
+        assert f"not sent: {notice.reason}" == errors[name]
+        assert notice.call_site and notice.call_site.startswith("<string>:")
+    assert notices["opaque"].type_name == "__main__.Opaque"
+    assert notices["a_range"].type_name == "range"
+    assert "(traced)" in notices["traced"].call_site
+    assert server.get("fine") == 1.5  # the connection went on
+    assert server.store.received == 1  # notices are not captures
+
+    with pytest.raises(KeyError, match=r"nothing named 'opaque' arrived: its sender could not "
+                                       r"send it \(cannot send an object of type"):
+        server.get("opaque")
+    monkeypatch.setenv("COLUMNS", "200")
+    server.summary()
+    out = capsys.readouterr().out
+    assert "could not send" in out
+    row = next(line for line in out.splitlines() if line.startswith("opaque "))
+    assert "__main__.Opaque" in row and "cannot send an object of type" in row
+    server.describe("a_range")
+    out = capsys.readouterr().out
+    assert "could not send 'a_range'" in out and notices["a_range"].reason in out
+    assert "call site" in out and "<string>:" in out
+
+
+def test_the_job_stays_quiet_and_counts_what_it_could_not_send(server: thing.Server) -> None:
+    result = run_script(UNSENDABLE + "print(thing._default_client.undelivered)", server.port,
+                        full=True)
+    assert result.stderr == ""
+    assert "'failed': 26" in result.stdout.splitlines()[-1]  # 5 names 5 times, and one
+    overview = server.store.overview()
+    assert overview.undelivered == {"failed": 26}
+    assert len(overview.unsent) == 6
+
+
+def test_describe_shows_the_call_site_of_named_captures(server: thing.Server,
+                                                        capsys, monkeypatch) -> None:
+    run_script("""
+        import thing
+        def step():
+            return thing.catch(0.5, name="lr").wait(10)
+        assert step()
+    """, server.port)
+    capture = server.store.get("lr")
+    assert capture.call_site == "<string>:4 (step)"
+    monkeypatch.setenv("COLUMNS", "120")
+    server.describe("lr")
+    assert "<string>:4 (step)" in capsys.readouterr().out

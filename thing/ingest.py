@@ -1,0 +1,111 @@
+"""``thing.ingest_all()``: the newest capture of every name, bound as a REPL variable.
+
+A name becomes the identifier :func:`thing.names.identifier_for` makes of it
+(``model.lm_head.weight`` -> ``model_lm_head_weight``). What a REPL depends on
+is never replaced: builtins (``print``, ``len``...), modules (``thing``,
+``np``...) and IPython's own variables (``In``, ``_3``...); no identifier is
+a dunder, as its underscores are stripped (``__name__`` -> ``name``). Other
+existing variables are kept unless ``overwrite=True``. Whatever is skipped
+is reported with how to reach it.
+"""
+
+from __future__ import annotations
+
+import builtins
+import sys
+import types
+from typing import Any
+
+from .display import Fields, Report
+from .errors import UnknownName
+from .names import identifier_for
+from .store import HistoryStore, value_of
+
+
+class Ingested(dict):
+    """``{variable: capture name}`` of what was bound; shows itself as the report."""
+
+    def __init__(self, bound: dict[str, str], report: Report):
+        super().__init__(bound)
+        self.report = report
+
+    def __repr__(self) -> str:
+        return repr(self.report)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        self.report._repr_pretty_(printer, cycle)
+
+    def _repr_html_(self) -> str:
+        return self.report.html()
+
+
+def ingest_all(store: HistoryStore, overwrite: bool = False,
+               namespace: dict[str, Any] | None = None) -> Ingested:
+    """Bind the newest capture of every name in ``namespace`` (default: the REPL's)."""
+    shell = _ipython_shell()
+    if namespace is None:
+        namespace = shell.user_ns if shell is not None else _caller_globals()
+    protected = set(getattr(shell, "user_ns_hidden", ()) or ()) if shell is not None else set()
+    bound: dict[str, str] = {}
+    kept: list[str] = []
+    refused: list[str] = []
+    for name in store.names():
+        ident = identifier_for(name)
+        shown = ident if ident == name else f"{ident} ({name!r})"
+        if ident in bound:
+            refused.append(f"{name!r} (its variable {ident} is {bound[ident]!r})")
+            continue
+        existing = namespace.get(ident, _MISSING)
+        if _never_replaced(ident, existing, protected):
+            refused.append(f"{name!r} ({ident} is {_what(ident, existing)})")
+            continue
+        if existing is not _MISSING and not overwrite:
+            kept.append(shown)
+            continue
+        try:
+            namespace[ident] = value_of(store.get(name))
+        except UnknownName:  # cleared or evicted meanwhile
+            continue
+        bound[ident] = name
+    pairs = [("bound", ", ".join(ident if ident == name else f"{ident} ({name!r})"
+                                 for ident, name in bound.items()) or "-")]
+    if kept:
+        pairs.append(("kept", f"{', '.join(kept)}: existing variables; "
+                              "ingest_all(overwrite=True) replaces them"))
+    if refused:
+        pairs.append(("skipped", f"{', '.join(refused)}; use thing.get(name)"))
+    noun = "variable" if len(bound) == 1 else "variables"
+    return Ingested(bound, Report(Fields(f"ingest_all: {len(bound)} {noun}", pairs)))
+
+
+_MISSING = object()
+
+
+def _never_replaced(ident: str, existing: Any, protected: set[str]) -> bool:
+    return (hasattr(builtins, ident) or ident in protected
+            or isinstance(existing, types.ModuleType))
+
+
+def _what(ident: str, existing: Any) -> str:
+    if isinstance(existing, types.ModuleType):
+        return "a module"
+    if hasattr(builtins, ident):
+        return "a builtin"
+    return "IPython's"
+
+
+def _ipython_shell() -> Any:
+    ipython = sys.modules.get("IPython")
+    return ipython.get_ipython() if ipython is not None else None
+
+
+def _caller_globals() -> dict[str, Any]:
+    """The globals of the first caller outside thing."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and _inside_thing(frame.f_globals.get("__name__")):
+        frame = frame.f_back
+    return frame.f_globals
+
+
+def _inside_thing(module: Any) -> bool:
+    return isinstance(module, str) and (module == "thing" or module.startswith("thing."))

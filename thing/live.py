@@ -1,0 +1,185 @@
+"""``thing.status()``: arrivals as they come, in a terminal, a notebook or a pipe.
+
+- In a terminal: a view redrawn in place (rich's Live, imported here only)
+  with a spinner that turns while it waits; Ctrl+C returns to the prompt.
+- In Jupyter: a display that a background thread updates, so the cell ends
+  at once and the kernel stays free; ``thing.status(False)``, or running
+  ``status()`` again, stops it. Nobody has to interrupt the kernel, which
+  would also interrupt whatever else runs in its process group (a training
+  job the notebook started, for one).
+- Piped, or without rich: one line per arrival, until Ctrl+C.
+
+The server keeps receiving in every case, and after the watching stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .display import Column, Report, Table, elide, in_notebook, terminal_width
+from .reports import bytes_text, clock, flag, kind, rank_text, scalar_text, sender_text
+from .store import Capture, HistoryStore
+
+if TYPE_CHECKING:
+    from .server import ServerInfo
+
+log = logging.getLogger("thing")
+
+REFRESH = 0.25  # seconds between redraws at most, and between spinner steps
+MIN_INTERVAL = 0.1  # a flood of arrivals must not turn redrawing into a busy loop
+
+_notebook_watcher: NotebookWatcher | None = None
+_watcher_lock = threading.Lock()
+
+
+def watch(store: HistoryStore, info: Callable[[], ServerInfo], on: bool = True,
+          rows: int = 10) -> None:
+    """Show the newest ``rows`` arrivals live (see the module's docstring); ``on=False`` stops
+    a notebook's view."""
+    global _notebook_watcher
+    if in_notebook():
+        with _watcher_lock:
+            if _notebook_watcher is not None:
+                _notebook_watcher.stop()
+                _notebook_watcher = None
+            if on:
+                _notebook_watcher = NotebookWatcher(store, info, rows)
+        return
+    if not on:
+        return
+    where = info()
+    print(f"Watching arrivals at {where.host}:{where.port}; press Ctrl+C to stop "
+          "(the server keeps running).", flush=True)
+    try:
+        if _terminal_can_redraw():
+            _watch_in_terminal(store, info, rows)
+        else:
+            _watch_as_lines(store)
+    except KeyboardInterrupt:
+        pass
+    kept = len(store)
+    print(f"Stopped watching; the server is still running at {where.host}:{where.port} with "
+          f"{kept} capture{'' if kept == 1 else 's'} kept.", flush=True)
+
+
+def view(store: HistoryStore, info: ServerInfo, rows: int, width: int | None = None) -> Report:
+    """The header line and the newest ``rows`` arrivals, as one report."""
+    width = terminal_width() if width is None else width
+    recent = store.recent(rows)
+    clients = info.clients
+    header = elide(f"thing at {info.host}:{info.port}: {store.received} received, "
+                   f"{len(store)} kept ({bytes_text(store.held_bytes)}), "
+                   f"{clients} client{'s' if clients != 1 else ''}", width - 2)
+    table = Table(None, [Column("arrived"), Column("id"), Column("name", 16, "middle"),
+                         Column("rank"), Column("shape"), Column("dtype"), Column("value", 8),
+                         Column("sender", 10, "middle")],
+                  [_arrival_row(capture) for capture in recent],
+                  [] if recent else ["waiting for the first capture..."],
+                  [("shrink", "value"), ("shrink", "sender"), ("drop", "sender"),
+                   ("drop", "rank"), ("drop", "id"), ("shrink", "name")])
+    return Report(header, table)
+
+
+def _arrival_row(capture: Capture) -> list[str]:
+    shape, dtype, _ = kind(capture)
+    return [clock(capture.received_at)[11:], str(capture.id),
+            (capture.name if capture.name is not None else "(unnamed)") + flag(capture),
+            rank_text(capture), shape, dtype, scalar_text(capture.value) or "",
+            sender_text(capture)]
+
+
+class NotebookWatcher:
+    """A notebook display of the arrivals, updated by a background thread until stopped."""
+
+    def __init__(self, store: HistoryStore, info: Callable[[], ServerInfo], rows: int):
+        from IPython.display import display
+
+        self.store, self.info, self.rows = store, info, rows
+        self._stop = threading.Event()
+        self._handle = display(view(store, info(), rows), display_id=True)
+        self._thread = threading.Thread(target=self._run, name="thing-status", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop updating; the display keeps its last state."""
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        seen = -1
+        while not self._stop.is_set():
+            try:
+                received = self.store.received
+                if received != seen:
+                    seen = received
+                    self._handle.update(view(self.store, self.info(), self.rows))
+            except Exception:  # the server closed, or the kernel's display went away
+                log.debug("thing.status() stopped updating", exc_info=True)
+                return
+            _next_frame(self.store, seen, self._stop)
+
+
+def _terminal_can_redraw() -> bool:
+    try:
+        from rich.console import Console
+    except ImportError:
+        return False
+    console = Console()
+    return console.is_terminal and not console.is_dumb_terminal
+
+
+def _watch_in_terminal(store: HistoryStore, info: Callable[[], ServerInfo], rows: int) -> None:
+    from rich.console import Group
+    from rich.live import Live
+    from rich.spinner import Spinner
+    from rich.text import Text
+
+    spinner = Spinner("dots")
+
+    def frame() -> Group:
+        report = view(store, info(), rows)
+        header, *rest = report.parts
+        spinner.update(text=Text(header))
+        return Group(spinner, Text(Report(*rest).text()))
+
+    # auto_refresh redraws REFRESH times a second, so the spinner turns while nothing arrives.
+    with Live(frame(), auto_refresh=True, refresh_per_second=1 / REFRESH,
+              transient=False) as live:
+        seen = store.received
+        while True:
+            _next_frame(store, seen)
+            seen = store.received
+            live.update(frame())
+
+
+def _watch_as_lines(store: HistoryStore) -> None:
+    seen = store.received
+    while True:
+        store.wait_for_arrival(seen, REFRESH)
+        received = store.received
+        fresh = [c for c in reversed(store.recent(min(received - seen, 100))) if c.id >= seen]
+        if received - seen > len(fresh):
+            print(f"... {received - seen - len(fresh)} more arrived", flush=True)
+        for capture in fresh:
+            print("  ".join(cell for cell in _arrival_row(capture) if cell), flush=True)
+        seen = received
+
+
+def _next_frame(store: HistoryStore, seen: int, stop: threading.Event | None = None) -> None:
+    """Return after the next arrival or REFRESH s, but not sooner than MIN_INTERVAL s."""
+    started = time.monotonic()
+    store.wait_for_arrival(seen, REFRESH)
+    rest = MIN_INTERVAL - (time.monotonic() - started)
+    if rest > 0:
+        if stop is not None:
+            stop.wait(rest)
+        else:
+            time.sleep(rest)

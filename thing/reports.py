@@ -1,0 +1,429 @@
+"""What the REPL functions report, built from the store: summary, a capture, help.
+
+Each function here reads a :class:`~thing.store.HistoryStore` (and, for a
+live server, a :class:`~thing.server.ServerInfo` snapshot) and returns a
+:class:`~thing.display.Report`; ``display.py`` decides how it looks where it
+is shown. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .arrays import is_array
+from .display import Column, Entries, Fields, Report, Table
+from .errors import UnknownName
+from .stats import ArrayStats, array_stats
+from .store import Capture, HistoryStore, Sender, UnsentNotice
+
+if TYPE_CHECKING:
+    from .server import ServerInfo
+
+# Names shown first by help(), in the order a newcomer needs them.
+_HELP_ORDER = ("catch", "serve", "get", "get_all", "wait", "ingest_all", "summary", "describe",
+               "status", "clear", "help")
+
+# What gives way, in order, when the summary is wider than the terminal: the name last.
+_SUMMARY_GIVES_WAY = [("shrink", "value"), ("shrink", "sender"), ("drop", "sender"),
+                      ("drop", "from"), ("drop", "arrived"), ("shrink", "name")]
+
+
+# -- summary ---------------------------------------------------------------------------
+
+
+def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None = 5) -> Report:
+    """A row per name (per name and rank when several ranks send it), newest first.
+
+    ``max_items`` names are shown (``None``: all). A row shows the newest
+    capture: shape, dtype, framework, the value itself for a scalar, how many
+    versions are kept, when it arrived and who sent it; ``!`` marks a capture
+    that is not consistent (changed after ``catch()`` before its send ended).
+    Below: what senders could not send and why, then counts.
+    """
+    overview = store.overview(max_items)
+    now = time.time()
+    ranked = any(capture.rank is not None for capture, _ in overview.names)
+    rows = []
+    for capture, versions in overview.names:
+        shape, dtype, framework = kind(capture)
+        rows.append([capture.name + flag(capture), rank_text(capture), shape, dtype, framework,
+                     scalar_text(capture.value) or "", str(versions),
+                     ago(capture.received_at, now), sender_text(capture)])
+    columns = [Column("name", 16, "middle"), Column("rank"), Column("shape"), Column("dtype"),
+               Column("from"), Column("value", 8), Column("kept"), Column("arrived"),
+               Column("sender", 10, "middle")]
+    unused = {"rank"} if not ranked else set()
+    if not any(row[5] for row in rows):
+        unused.add("value")
+    keep = [i for i, column in enumerate(columns) if column.header not in unused]
+    columns = [columns[i] for i in keep]
+    rows = [[row[i] for i in keep] for row in rows]
+
+    notes = []
+    hidden = overview.name_count - len({capture.name for capture, _ in overview.names})
+    if hidden > 0:
+        notes.append(f"{hidden} more name{'s' if hidden != 1 else ''} "
+                     "(summary(max_items=None) shows all)")
+    counts = [f"{overview.captures} captures kept", f"{overview.received} received",
+              f"{overview.unnamed} unnamed", f"{overview.evicted} evicted"]
+    if overview.rejected:
+        counts.append(f"{overview.rejected} refused for lack of room")
+    if info is not None and info.dropped_transfers:
+        counts.append(f"{info.dropped_transfers} transfers dropped incomplete or invalid")
+    if info is not None and info.refused:
+        counts.append(f"{info.refused} connections refused at the cap")
+    held = f"{bytes_text(overview.held_bytes)} held of a {bytes_text(overview.max_bytes)} cap"
+    if overview.max_versions:
+        held += f", {overview.max_versions} versions per name"
+    notes.append("; ".join([*counts, held]))
+    if overview.inconsistent:
+        notes.append(f"! {overview.inconsistent} kept capture(s) changed after catch() before "
+                     "their send ended: a later value or a mix (catch(..., copy=True) snapshots)")
+    if overview.undelivered:
+        reasons = ", ".join(f"{count} {reason}"
+                            for reason, count in sorted(overview.undelivered.items()))
+        notes.append(f"senders report {sum(overview.undelivered.values())} caught but not "
+                     f"delivered: {reasons}")
+
+    where = "thing" if info is None else f"thing server at {info.host}:{info.port}"
+    if not overview.names:
+        empty = ("nothing received yet; in the training job call thing.catch(tensor)"
+                 if not overview.received else "no named captures kept")
+        table = Table(f"{where}: {empty}", [], [], notes)
+    else:
+        table = Table(where, columns, rows, notes, _SUMMARY_GIVES_WAY)
+    return Report(table, unsent_table(overview.unsent))
+
+
+def unsent_table(notices: list[UnsentNotice]) -> Table | None:
+    """What senders could not send, one row per name and reason (``describe`` has more)."""
+    if not notices:
+        return None
+    rows = [[notice.name if notice.name is not None else "(unnamed)", notice.type_name,
+             notice.reason, sender_of(notice.sender)] for notice in notices]
+    return Table("could not send", [Column("name", 16, "middle"), Column("type", 10),
+                                    Column("reason", 20), Column("sender", 10)], rows,
+                 [], [("shrink", "sender"), ("drop", "sender"), ("shrink", "type"),
+                      ("shrink", "reason"), ("shrink", "name")])
+
+
+# -- one capture -----------------------------------------------------------------------
+
+
+def describe(store: HistoryStore, name_or_id: str | int, index: int = 0,
+             rank: int | None = None) -> Report:
+    """Everything known about a capture, with statistics for its arrays.
+
+    A name whose sender could not send it is described by the sender's notice.
+    """
+    try:
+        capture = store.get(name_or_id, index, rank)
+    except UnknownName:
+        notices = store.unsent(name_or_id) if isinstance(name_or_id, str) else []
+        if not notices:
+            raise
+        return Report(*(_notice_fields(notice) for notice in notices))
+    return capture_report(capture, store)
+
+
+def capture_report(capture: Capture, store: HistoryStore | None = None) -> Report:
+    """The description of one capture (``store`` adds where it stands in its history)."""
+    value = capture.value
+    pairs: list[tuple[str, str]] = [
+        ("name", capture.name if capture.name is not None else "(unnamed)"),
+        ("id", str(capture.id)),
+        ("type", type_name(value)),
+    ]
+    shape, dtype, framework = kind(capture)
+    if not is_container(value):
+        pairs += [("shape", shape), ("dtype", dtype), ("framework", framework)]
+    else:
+        pairs += [("contents", f"{shape} items, {len(capture.leaves)} arrays"),
+                  ("dtypes", dtype), ("frameworks", framework)]
+    pairs.append(("bytes", f"{bytes_text(capture.nbytes)} ({capture.nbytes} bytes of array data)"))
+    arrived = f"{clock(capture.received_at)} ({ago(capture.received_at)})"
+    if capture.caught_at is not None:
+        transit = max(capture.received_at - capture.caught_at, 0.0)
+        arrived += f", {transit * 1000:.1f} ms after catch()"
+    pairs.append(("arrived", arrived))
+    pairs.append(("sender", sender_of(capture.sender)))
+    if capture.rank is not None:
+        pairs.append(("rank", rank_text(capture)))
+    pairs.append(("call site", capture.call_site or "-"))
+    if capture.name is not None and store is not None:
+        pairs.append(("versions", _versions_text(store, capture)))
+    pairs.append(("consistent",
+                  "yes: the value at the catch() call" if capture.consistent else
+                  "NO: it changed after catch() before its send ended, so it holds a later "
+                  "value or a mix of two (catch(..., copy=True) avoids it)"))
+    scalar = scalar_text(value)
+    table = None
+    if scalar is not None:
+        pairs.append(("value", scalar))
+    elif is_container(value):
+        table = _leaf_table(capture)
+    elif len(capture.leaves) == 1 and capture.leaves[0].framework != "bytes":
+        pairs += _stats_pairs(array_stats(value, capture.leaves[0]))
+    title = f"capture {capture.name!r}" if capture.name is not None else f"capture {capture.id}"
+    return Report(Fields(title, pairs), table)
+
+
+def _notice_fields(notice: UnsentNotice) -> Fields:
+    return Fields(f"could not send {notice.name!r}", [
+        ("type", notice.type_name),
+        ("reason", notice.reason),
+        ("call site", notice.call_site or "-"),
+        ("sender", sender_of(notice.sender)),
+        ("told at", f"{clock(notice.at)} ({ago(notice.at)})"),
+    ])
+
+
+def _versions_text(store: HistoryStore, capture: Capture) -> str:
+    try:
+        history = store.get_all(capture.name)
+    except KeyError:
+        return "0 kept (cleared or evicted since)"
+    ids = [c.id for c in history]
+    if capture.id not in ids:
+        return f"{len(ids)} kept; this one was evicted or cleared since"
+    index = len(ids) - 1 - ids.index(capture.id)
+    where = "the newest" if index == 0 else f"get({capture.name!r}, index={index})"
+    return f"{len(ids)} kept; this is {where}"
+
+
+def _stats_pairs(stats: ArrayStats | None) -> list[tuple[str, str]]:
+    if stats is None:
+        return [("statistics", "none for this dtype")]
+    if stats.count == 0:
+        return [("statistics", "empty array")]
+    of = " of |x|" if stats.magnitude else ""
+    over = "" if stats.finite == stats.count else f" (over the {stats.finite} finite values)"
+    pairs = [("elements", str(stats.count))]
+    if stats.finite:
+        pairs += [
+            (f"min{of}", number(stats.min)),
+            (f"max{of}", number(stats.max)),
+            (f"mean{of}", number(stats.mean) + over),
+            (f"std{of}", number(stats.std) + over),
+            ("L2 norm", number(stats.norm) + over),
+        ]
+    pairs += [("NaN", str(stats.nan)), ("Inf", str(stats.inf))]
+    return pairs
+
+
+def _leaf_table(capture: Capture) -> Table:
+    headers = ["path", "shape", "dtype", "min", "max", "mean", "std", "L2", "NaN", "Inf"]
+    rows = []
+    for (path, leaf), spec in zip(_leaf_paths(capture.value), capture.leaves):
+        stats = None if spec.framework == "bytes" else array_stats(leaf, spec)
+        shape = f"{spec.shape[0]} bytes" if spec.framework == "bytes" else shape_text(spec.shape)
+        numbers = ["" if stats is None or x is None else f"{x:.4g}" for x in (
+            None if stats is None else (stats.min, stats.max, stats.mean, stats.std, stats.norm)
+        ) or (None,) * 5]
+        counts = ["", ""] if stats is None else [str(stats.nan), str(stats.inf)]
+        rows.append([path, shape, "-" if spec.framework == "bytes" else spec.dtype,
+                     *numbers, *counts])
+    # NaN and Inf columns of zeros say nothing; one that says something always stays.
+    unused = {header for i, header in enumerate(headers)
+              if header in ("NaN", "Inf") and all(row[i] in ("0", "") for row in rows)}
+    keep = [i for i, header in enumerate(headers) if header not in unused]
+    columns = [Column(headers[i], 10, "middle") if headers[i] == "path" else Column(headers[i])
+               for i in keep]
+    notes = ["statistics over finite values; std with ddof=0"]
+    if unused:
+        notes[0] += f"; no {' or '.join(sorted(unused))} values"
+    return Table("arrays", columns, [[row[i] for i in keep] for row in rows], notes,
+                 [("shrink", "path"), ("drop", "dtype"), ("drop", "L2"), ("drop", "shape")])
+
+
+def _leaf_paths(value: Any) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` of every array in a container, in the order its leaves were sent."""
+    found: list[tuple[str, Any]] = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            for key, item in node.items():
+                walk(item, f"{path}[{key!r}]")
+        elif isinstance(node, (list, tuple)):
+            for index, item in enumerate(node):
+                walk(item, f"{path}[{index}]")
+        elif is_array(node):
+            found.append((path, node))
+
+    walk(value, "")
+    return found
+
+
+# -- help ------------------------------------------------------------------------------
+
+
+def help_report() -> Report:
+    """Every public function and class of thing with its signature and first line."""
+    import thing
+
+    public = [*thing.__all__, "help"]
+    ordered = [name for name in _HELP_ORDER if name in public]
+    ordered += sorted(name for name in public if name not in ordered)
+    functions, classes, errors = [], [], []
+    for name in ordered:
+        obj = getattr(thing, name)
+        if inspect.isclass(obj) and issubclass(obj, BaseException):
+            errors.append((f"thing.{name}", _first_line(obj)))
+        elif inspect.isclass(obj):
+            methods = [m for m, _ in inspect.getmembers(obj, inspect.isfunction)
+                       if not m.startswith("_")]
+            line = _first_line(obj) + (f" Methods: {', '.join(methods)}." if methods else "")
+            classes.append((f"thing.{name}{_signature(obj)}", line))
+        elif callable(obj):
+            functions.append((f"thing.{name}{_signature(obj)}", _first_line(obj)))
+    return Report(
+        Entries("Functions", functions),
+        Entries("Classes", classes),
+        Entries("Errors", errors),
+        "thing.BACKEND names the transport core in use; help(thing.<name>) shows the whole "
+        "documentation of one of the above.",
+    )
+
+
+def _signature(obj: Any) -> str:
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return "(...)"
+    empty = inspect.Parameter.empty
+    parameters = [p.replace(annotation=empty) for p in signature.parameters.values()
+                  if not p.name.startswith("_")]
+    return str(signature.replace(parameters=parameters, return_annotation=empty))
+
+
+def _first_line(obj: Any) -> str:
+    doc = (inspect.getdoc(obj) or "").strip()
+    if not doc:
+        return ""
+    # reStructuredText to plain text: ``code`` -> code, :class:`Name` -> Name.
+    return re.sub(r":\w+:`~?([^`]*)`", r"\1", doc.splitlines()[0]).replace("``", "")
+
+
+# -- how a capture reads in a cell --------------------------------------------------------
+
+
+def is_container(value: Any) -> bool:
+    """True for the containers a capture may be: dict, list, tuple, set, frozenset."""
+    return isinstance(value, (dict, list, tuple, set, frozenset))
+
+
+def type_name(value: Any) -> str:
+    """``value``'s type as a user knows it: ``dict``, ``torch.Tensor``, ``numpy.ndarray``."""
+    kind = type(value)
+    module = kind.__module__.partition(".")[0]
+    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+
+
+def shape_text(shape: tuple[int, ...]) -> str:
+    """A shape as Python writes a tuple: ``(3,)``, ``(2, 3)``, ``()``."""
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def kind(capture: Capture) -> tuple[str, str, str]:
+    """``(shape, dtype, framework)`` as the summary shows them."""
+    value, leaves = capture.value, capture.leaves
+    layout = str(getattr(value, "layout", "strided")).rpartition(".")[2]
+    if layout != "strided":  # a sparse torch tensor: its parts are the leaves
+        return shape_text(tuple(value.shape)), str(value.dtype).rpartition(".")[2], \
+            f"torch {layout}"
+    if is_container(value):
+        what = f"{type(value).__name__} of {len(value)}"
+        if not leaves:
+            return what, "-", "python"
+        return what, _several(spec.dtype for spec in leaves), _several(
+            spec.framework for spec in leaves)
+    if len(leaves) == 1:
+        spec = leaves[0]
+        if spec.framework == "bytes":
+            return f"{spec.shape[0]} bytes", "-", "bytes"
+        return shape_text(spec.shape), spec.dtype, spec.framework
+    return "-", type(value).__name__, "python"
+
+
+def _several(items: Any, most: int = 2) -> str:
+    distinct = sorted(set(items))
+    return ",".join(distinct) if len(distinct) <= most else f"{len(distinct)} kinds"
+
+
+def scalar_text(value: Any) -> str | None:
+    """The value itself when it is a single number (or a short string), else None."""
+    if value is None or isinstance(value, (bool, int, float, complex)):
+        return number(value)
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else repr(value[:37]) + "..."
+    if isinstance(value, np.generic) or getattr(value, "ndim", None) == 0:
+        try:
+            return number(value.item())
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    return None
+
+
+def number(x: Any) -> str:
+    """A number in at most 6 significant digits; None and bools as Python writes them."""
+    if isinstance(x, (float, complex)) and not isinstance(x, bool):
+        return f"{x:.6g}"
+    return repr(x) if isinstance(x, (bool, type(None))) else str(x)
+
+
+def bytes_text(nbytes: int) -> str:
+    """``nbytes`` in binary units: ``512 B``, ``1.5 KiB``, ``3.0 GiB``."""
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{nbytes} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def ago(timestamp: float, now: float | None = None) -> str:
+    """How long before ``now`` ``timestamp`` was: ``just now``, ``12 s ago``, ``3.5 h ago``."""
+    seconds = max((time.time() if now is None else now) - timestamp, 0.0)
+    if seconds < 1:
+        return "just now"
+    if seconds < 60:
+        return f"{seconds:.0f} s ago"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min ago"
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f} h ago"
+    return f"{seconds / 86400:.1f} days ago"
+
+
+def clock(timestamp: float) -> str:
+    """Local date and time to the millisecond."""
+    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def rank_text(capture: Capture) -> str:
+    """``rank/world size`` of the sender (``3/8``), or "" outside a distributed job."""
+    sender = capture.sender
+    if sender.rank is None:
+        return ""
+    return f"{sender.rank}" + (f"/{sender.world_size}" if sender.world_size else "")
+
+
+def sender_text(capture: Capture) -> str:
+    """``host:pid`` of the process that sent ``capture``."""
+    return f"{capture.sender.hostname}:{capture.sender.pid}"
+
+
+def sender_of(sender: Sender) -> str:
+    """A sender in full: address, host and pid."""
+    return f"{sender.address} (host {sender.hostname}, pid {sender.pid})"
+
+
+def flag(capture: Capture) -> str:
+    """`` !`` after the name of a capture that is not consistent, else ""."""
+    return "" if capture.consistent else " !"

@@ -1,0 +1,167 @@
+"""Statistics of captured arrays: min, max, mean, std, L2 norm, NaN and Inf counts.
+
+Computed in chunks of about a million elements converted to float64 at a
+time, so describing a multi-gigabyte tensor needs only a few megabytes of
+scratch memory. Works on numpy, torch (CPU or not) and jax arrays, and on
+bfloat16 kept as raw bits where no library can read it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .arrays import LeafSpec, is_array
+
+# Elements converted to float64 at a time.
+STATS_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class ArrayStats:
+    """Statistics of an array's values.
+
+    ``min``/``max``/``mean``/``std``/``norm`` are over the finite values only
+    (``None`` when there are none); ``std`` is the population standard
+    deviation (``ddof=0``, as numpy); ``norm`` the L2 norm of the flattened
+    array. For complex arrays they describe the magnitudes ``|x|``.
+    """
+
+    count: int
+    finite: int
+    nan: int
+    inf: int
+    min: float | None
+    max: float | None
+    mean: float | None
+    std: float | None
+    norm: float | None
+    magnitude: bool = False
+
+
+def array_stats(value: Any, spec: LeafSpec | None = None) -> ArrayStats | None:
+    """Statistics of a numpy/torch/jax array, or None for what has none (bytes, unknown dtypes).
+
+    ``spec`` (the capture's :class:`LeafSpec`) lets a bfloat16 array kept as raw
+    ``uint16`` bits (no torch or ml_dtypes here) be read as bfloat16.
+    """
+    flat = _flat_numpy_source(value)
+    if flat is None:
+        return None
+    to_float = _float_converter(flat, spec)
+    if to_float is None:
+        return None
+    magnitude = _is_complex(flat)
+    # Integers (not the raw bits of a bfloat16/float8 kept as uint) keep exact min and max.
+    exact_int = _is_integer(flat) and not (
+        spec is not None and (spec.dtype == "bfloat16" or spec.dtype.startswith("float8")))
+    count = finite = nan = inf = 0
+    lo = hi = None
+    mean = m2 = sumsq = 0.0
+    size = _size(flat)
+    for start in range(0, size, STATS_CHUNK):
+        raw = _chunk(flat, start, start + STATS_CHUNK)
+        x = to_float(raw)
+        count += x.size
+        bad = ~np.isfinite(x)
+        if bad.any():
+            chunk_nan = int(np.isnan(x).sum())
+            nan += chunk_nan
+            inf += int(bad.sum()) - chunk_nan
+            x = x[~bad]
+        if not x.size:
+            continue
+        if exact_int:  # compare the integers themselves: float64 rounds beyond 2**53
+            chunk_lo, chunk_hi = int(raw.min()), int(raw.max())
+        else:
+            chunk_lo, chunk_hi = float(x.min()), float(x.max())
+        lo = chunk_lo if lo is None else min(lo, chunk_lo)
+        hi = chunk_hi if hi is None else max(hi, chunk_hi)
+        # Chan et al.'s pairwise update: numerically stable mean and variance across chunks.
+        n = x.size
+        chunk_mean = float(x.mean())
+        chunk_m2 = float(np.square(x - chunk_mean).sum())
+        total = finite + n
+        delta = chunk_mean - mean
+        mean += delta * n / total
+        m2 += chunk_m2 + delta * delta * finite * n / total
+        sumsq += float(np.dot(x, x))
+        finite = total
+    if not finite:
+        return ArrayStats(count, 0, nan, inf, None, None, None, None, None, magnitude)
+    return ArrayStats(count, finite, nan, inf, lo, hi, mean, math.sqrt(m2 / finite),
+                      math.sqrt(sumsq), magnitude)
+
+
+def _flat_numpy_source(value: Any) -> Any:
+    """A flat (1-D) numpy array or CPU torch tensor over the value's elements, without copying."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        tensor = value.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        return tensor.reshape(-1)
+    if isinstance(value, (bytes, bytearray, memoryview, str)):
+        return None
+    if isinstance(value, (np.ndarray, np.generic)) or is_array(value):
+        array = np.asarray(value)  # a jax array on the CPU: a view of its buffer
+        return array.reshape(-1) if array.dtype.kind != "O" else None
+    return None
+
+
+def _size(flat: Any) -> int:
+    return int(flat.numel()) if hasattr(flat, "numel") else int(flat.size)
+
+
+def _chunk(flat: Any, start: int, stop: int) -> np.ndarray:
+    piece = flat[start:stop]
+    if isinstance(piece, np.ndarray):
+        return piece
+    if piece.dtype.is_floating_point and piece.element_size() < 4 or not _numpy_has(piece):
+        piece = piece.float()  # bfloat16, float8...: numpy cannot hold them
+    return piece.numpy()
+
+
+def _numpy_has(tensor: Any) -> bool:
+    try:
+        tensor[:0].numpy()
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+def _is_complex(flat: Any) -> bool:
+    return bool(flat.dtype.is_complex) if hasattr(flat, "is_complex") else flat.dtype.kind == "c"
+
+
+def _is_integer(flat: Any) -> bool:
+    if hasattr(flat, "is_complex"):  # torch
+        return not flat.dtype.is_floating_point and not flat.dtype.is_complex
+    return flat.dtype.kind in "iub"
+
+
+def _float_converter(flat: Any, spec: LeafSpec | None) -> Any:
+    """A function from a raw numpy chunk to float64 values; None when the dtype holds no numbers."""
+    if hasattr(flat, "is_complex"):  # torch chunks arrive as numpy float32 (or native dtypes)
+        if flat.dtype.is_complex:
+            return lambda raw: np.abs(raw).astype(np.float64)
+        return lambda raw: raw.astype(np.float64)
+    if spec is not None and spec.dtype == "bfloat16" and flat.dtype == np.uint16:
+        # bfloat16 kept as its raw bits: they are the upper half of a float32.
+        return lambda raw: (raw.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if spec is not None and spec.dtype.startswith("float8") and flat.dtype == np.uint8:
+        return None  # raw float8 bits, no library here to read them
+    kind = flat.dtype.kind
+    if kind == "c":
+        return lambda raw: np.abs(raw).astype(np.float64)
+    if kind in "fiub":
+        return lambda raw: raw.astype(np.float64)
+    try:  # ml_dtypes (bfloat16, float8) cast to float
+        flat[:0].astype(np.float64)
+    except (TypeError, ValueError):
+        return None
+    return lambda raw: raw.astype(np.float64)
