@@ -23,6 +23,42 @@ def test_import_thing_imports_no_heavy_modules() -> None:
     assert out.strip() == ""
 
 
+def test_a_training_job_loads_only_the_sending_side(server) -> None:
+    out = run_script(
+        """
+        import sys, thing
+        imported = sorted(m for m in sys.modules if m.startswith("thing"))
+        assert thing.catch(1.5, name="x").wait(10)
+        sent = sorted(m for m in sys.modules if m.startswith("thing"))
+        print(" ".join(imported)); print(" ".join(sent))
+        print(" ".join(m for m in ("difflib", "rich", "IPython") if m in sys.modules))
+        """,
+        server.port,
+    )
+    imported, sent, heavy = (out.splitlines() + [""])[:3]
+    assert heavy == ""  # the store's name matching, the live view, IPython
+    # `import thing`: the client and what its catch() needs before it opens a connection.
+    assert imported.split() == ["thing", "thing._core", "thing._core._transport", "thing.client",
+                                "thing.config", "thing.errors", "thing.handles", "thing.names"]
+    # Catching loads the sending side, never the server, the store or the REPL's.
+    receiving = {"thing.server", "thing.store", "thing.receiver", "thing.repl", "thing.reports",
+                 "thing.display", "thing.live", "thing.ingest", "thing.stats", "thing.buffers"}
+    assert not receiving & set(sent.split()), sent
+    assert "thing.channel" in sent.split()
+
+
+def test_the_receiving_side_loads_on_first_use() -> None:
+    out = run_script(
+        """
+        import sys, thing
+        from thing import *
+        print(serve is thing.serve, thing.Server.__name__, "thing.repl" in sys.modules)
+        print(sorted(set(thing.__all__) - set(dir(thing))))
+        """
+    )
+    assert out.splitlines() == ["True Server True", "[]"]
+
+
 def test_library_never_unpickles_or_evaluates() -> None:
     pattern = re.compile(r"\bimport pickle\b|\bfrom pickle\b|\bpickle\.loads?\(|\beval\(|\bexec\(")
     offenders = [

@@ -14,10 +14,11 @@ In a REPL or notebook::
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._core import BACKEND
 from .client import CaptureHandle, Client
@@ -30,20 +31,46 @@ from .errors import (
     UnknownName,
     UnsupportedType,
 )
-from .repl import (
-    clear,
-    describe,
-    get,
-    get_all,
-    ingest_all,
-    serve,
-    status,
-    summary,
-    wait,
-)
-from .repl import help as help  # not in __all__: `from thing import *` keeps the builtin
-from .server import Server
-from .store import Capture, HistoryStore
+
+if TYPE_CHECKING:
+    from .repl import (
+        clear,
+        describe,
+        get,
+        get_all,
+        ingest_all,
+        serve,
+        status,
+        summary,
+        wait,
+    )
+    from .repl import help as help
+    from .server import Server
+    from .store import Capture, HistoryStore
+
+# The receiving side loads on first use: a training job that only catches never imports
+# the server, the store or the REPL (nor what they import), so `import thing` stays cheap.
+_ON_FIRST_USE = {
+    **dict.fromkeys(("serve", "get", "get_all", "wait", "clear", "ingest_all", "summary",
+                     "describe", "status", "help"), "repl"),
+    "Server": "server",
+    "Capture": "store",
+    "HistoryStore": "store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _ON_FIRST_USE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'thing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ON_FIRST_USE})
+
 
 __version__ = "0.1.0"
 

@@ -150,9 +150,24 @@ class Channel:
     def busy(self) -> bool:
         return bool(self._queue or self._inflight)
 
-    def enqueue(self, pending: Pending, block: bool, copy: bool | None,
+    def enqueue(self, name: str | None, obj: Any, site: CallSite | None,
+                rank: tuple[int | None, int | None], block: bool, copy: bool | None,
                 snapshot_bytes: int) -> CaptureHandle:
-        """Queue a capture: room first, then the snapshot, so a full queue costs no copy."""
+        """Queue a capture of ``obj``: taken apart, room taken, then snapshotted where it must
+        be (a full queue costs no copy). Raises :class:`UnsupportedType` for what cannot travel."""
+        caught_at = time.time()
+        pending = Pending(name, wire.take_apart(obj), site, caught_at, rank, CaptureHandle(name))
+        return self._enqueue(pending, block, copy, snapshot_bytes)
+
+    def tell_unsent(self, name: str | None, site: CallSite | None,
+                    rank: tuple[int | None, int | None], obj: Any, reason: str) -> bool:
+        """Queue a notice (no data) that a capture of ``obj`` could not be sent; False if full."""
+        notice = Pending(name, wire.Payload(None, [], 0), site, time.time(), rank,
+                         CaptureHandle(name), {"type": wire.type_name(obj), "reason": reason})
+        return self._enqueue(notice, False, False, 0) is notice.handle
+
+    def _enqueue(self, pending: Pending, block: bool, copy: bool | None,
+                 snapshot_bytes: int) -> CaptureHandle:
         nbytes = pending.payload.nbytes
         with self._lock:
             if self._closed:

@@ -22,14 +22,15 @@ import sys
 import time
 import weakref
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import config, wire
-from .channel import Channel, Pending, SendQueue
+from . import config
 from .errors import UnsupportedType
 from .handles import CLOSED, NO_SERVER, SKIPPED, CaptureHandle
 from .names import CallSite, NameTracer
-from .sockets import parse_address
+
+if TYPE_CHECKING:
+    from .channel import Channel
 
 log = logging.getLogger("thing")
 
@@ -46,9 +47,10 @@ class _Throttle:
         self.sent = 0
 
     def admit(self, every: int, first: int | None) -> bool:
+        """Count a call; True if it is one to send (``every`` below 2 sends every call)."""
         call = self.calls
         self.calls = call + 1
-        if call % every or (first is not None and self.sent >= first):
+        if (every > 1 and call % every) or (first is not None and self.sent >= first):
             return False
         self.sent += 1
         return True
@@ -123,6 +125,8 @@ class Client:
         snapshot_bytes: int | None = None,
         token: str | None = None,
     ):
+        from .sockets import parse_address
+
         host, port = config.server_address()
         self.address = parse_address(server_addr or host, port if server_port is None
                                      else server_port)
@@ -142,6 +146,11 @@ class Client:
 
     def _start_afresh(self) -> None:
         """The state that belongs to one process: a forked child starts with its own."""
+        # The sending machinery (sockets, the wire format, authentication) loads with the
+        # first client, not with `import thing`, and on this thread, before any thread of
+        # thing's runs: a child forked later never inherits an import half done.
+        from .channel import SendQueue
+
         self._queue = SendQueue(self.max_queue_bytes, self.max_queue_items)
         self._lock = self._queue.lock
         # server= string -> channel, oldest first; several strings may share a channel.
@@ -174,15 +183,16 @@ class Client:
         """
         site = None
         try:
-            frame = _frame or sys._getframe(1)
             if name is None:
-                name, site = self._names.name_for(frame)
+                name, site = self._names.name_for(_frame or sys._getframe(1))
             if every != 1 or first is not None:
-                throttle = self._throttles.get(name) or self._new_throttle(name)
-                if not throttle.admit(max(int(every), 1), first):
+                throttle = self._throttles.get(name)
+                if throttle is None:
+                    throttle = self._new_throttle(name)
+                if not throttle.admit(every, first):
                     return SKIPPED
             if site is None:  # given a name: where it was caught still helps describe()
-                site = self._names.site_for(frame)
+                site = self._names.site_for(_frame or sys._getframe(1))
             channel = self._channels.get(server) or self._open_channel(server)
             if channel is None:
                 return CLOSED
@@ -190,9 +200,8 @@ class Client:
                 with self._lock:
                     self._queue.undelivered["no server"] += 1
                 return NO_SERVER
-            pending = Pending(name, wire.take_apart(obj), site, time.time(), self._rank.read(),
-                              CaptureHandle(name))
-            return channel.enqueue(pending, block, copy, self.snapshot_bytes)
+            return channel.enqueue(name, obj, site, self._rank.read(), block, copy,
+                                   self.snapshot_bytes)
         except Exception as exc:  # catch() must never raise into a training loop
             reason = (str(exc) if isinstance(exc, UnsupportedType)
                       else f"{type(exc).__name__}: {exc}")
@@ -212,10 +221,7 @@ class Client:
             channel = self._channels.get(server)
             if key in self._told or channel is None or len(self._told) >= self._max_names:
                 return
-            unsent = {"type": wire.type_name(obj), "reason": reason}
-            notice = Pending(name, wire.Payload(None, [], 0), site, time.time(),
-                             self._rank.read(), CaptureHandle(name), unsent)
-            if channel.enqueue(notice, False, False, 0) is notice.handle:
+            if channel.tell_unsent(name, site, self._rank.read(), obj, reason):
                 self._told.add(key)
         except Exception as exc:  # still catch(): never raises
             log.debug("could not tell the server about %r: %s", name, exc)
@@ -231,6 +237,9 @@ class Client:
 
     def _open_channel(self, server: str | None) -> Channel | None:
         """The channel for ``server=``, opened if need be; None once the client is closed."""
+        from .channel import Channel
+        from .sockets import parse_address
+
         address = self.address if server is None else parse_address(server, self.address[1])
         with self._lock:
             if self._closed:

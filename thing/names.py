@@ -85,11 +85,11 @@ class NameTracer:
         """
         self.keyword = keyword
         self.max_sites = max_sites
-        # (id(code), f_lasti) -> (name, CallSite, weak reference to the code). Keyed by id()
+        # (id(code), f_lasti) -> (weak reference to the code, (name, CallSite)). Keyed by id()
         # because hashing a code object hashes its constants (and every nested code
         # object) on each call; the weak reference tells a reused id from the original
         # without keeping any code object (or what it references) alive.
-        self._by_instruction: dict[tuple[int, int], tuple[str, CallSite, Any]] = {}
+        self._by_instruction: dict[tuple[int, int], tuple[Any, tuple[str, CallSite]]] = {}
         self._sites: dict[tuple[int, int], tuple[CallSite, Any]] = {}  # for name= captures
         # Everything below is touched only when a call site is seen for the first time.
         self._lock = threading.Lock()
@@ -113,8 +113,8 @@ class NameTracer:
         """
         code = frame.f_code
         cached = self._by_instruction.get((id(code), frame.f_lasti))
-        if cached is not None and cached[2]() is code:
-            return cached[0], cached[1]
+        if cached is not None and cached[0]() is code:
+            return cached[1]
         return self._resolve(frame)
 
     def site_for(self, frame: types.FrameType) -> CallSite:
@@ -149,7 +149,7 @@ class NameTracer:
                 name = self._by_key[key] = self._claim(text)
             cache = self._by_instruction
             cache.pop((id(code), frame.f_lasti), None)  # a stale entry goes to the back
-            cache[id(code), frame.f_lasti] = (name, site, weakref.ref(code))
+            cache[id(code), frame.f_lasti] = (weakref.ref(code), (name, site))
             while len(cache) > self.max_sites:
                 del cache[next(iter(cache))]
         return name, site
