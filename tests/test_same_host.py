@@ -255,7 +255,7 @@ def test_stale_socket_of_a_killed_server_is_replaced(runtime_dir: Path) -> None:
 # -- a peer of another user --------------------------------------------------------------------
 
 AS_NOBODY = f"""
-import encodings.idna, json, os, sys, numpy as np, thing, thing.channel, thing.sockets
+import encodings.idna, json, os, sys, numpy as np, thing, thing.channel, thing.server, thing.sockets
 from pathlib import Path
 # Imports first (the interpreter lives where nobody may read), then become nobody for good.
 os.setgroups([])
@@ -550,7 +550,9 @@ def raw_peer(server: thing.Server, tcp: bool = False) -> socket.socket:
     else:
         assert server.unix_path is not None
         sock = connect_unix(server.unix_path, 5)
-    sock.sendall(wire.encode_handshake({"hostname": "raw", "pid": os.getpid()}))
+    # Says it sends shared memory, so that the server reads descriptors from it.
+    sock.sendall(wire.encode_handshake({"hostname": "raw", "pid": os.getpid(),
+                                        "shared_memory": True}))
     status, _ = wire.recv_handshake(sock)
     assert status == wire.HANDSHAKE_OK
     sock.settimeout(10)

@@ -312,7 +312,8 @@ class Channel:
             # TCP to this host, unless forced, counts only if the server proves the token.
             tcp_here = transport == "tcp" and config.transport() != "tcp" and is_this_host(
                 self.address[0])
-            mac = self._handshake(sock, token, configured is not None or tcp_here)
+            mac = self._handshake(sock, token, configured is not None or tcp_here,
+                                  transport == "shm")
         except BaseException:
             sock.close()
             raise
@@ -322,12 +323,13 @@ class Channel:
         self.transport = transport
         return sock, mac
 
-    def _handshake(self, sock: socket.socket, token: str | None,
-                   server_must_prove: bool) -> auth.SessionMac | None:
+    def _handshake(self, sock: socket.socket, token: str | None, server_must_prove: bool,
+                   shared_memory: bool) -> auth.SessionMac | None:
         """Greet the server; with a token, each side proves it. Returns the session's MAC."""
         host, port = self.address
         client_nonce = auth.new_nonce()
-        send_buffers(sock, [wire.encode_handshake({**_identity(), "nonce": client_nonce})])
+        hello = {**_identity(), "nonce": client_nonce, "shared_memory": shared_memory}
+        send_buffers(sock, [wire.encode_handshake(hello)])
         status, info = wire.recv_handshake(sock)
         mac = None
         if status == wire.HANDSHAKE_CHALLENGE:

@@ -120,6 +120,7 @@ class Connection:
         self.address = address
         self.settings = settings
         self.local = sock.family == socket.AF_UNIX
+        self.takes_descriptors = False  # until the handshake says otherwise
         self.sender = Sender(address)
         self._acks: list[bytes] = []
         self._mid_frame = False  # a frame's prefix arrived and it is not answered yet
@@ -157,6 +158,10 @@ class Connection:
                 self._refuse(str(exc))
             raise
         info = wire.decode_handshake_info(self._recv_exact(length))
+        # Only a client that said so may pass descriptors; every other frame prefix is read
+        # plainly, which costs far less than recvmsg with room for them (the kernel closes
+        # any descriptor sent anyway, and a shared-memory frame without one is refused).
+        self.takes_descriptors = self.local and info.get("shared_memory") is True
         if settings.token is not None:
             self._authenticate(settings.token, info.get("nonce"))
         # Proven (or no token asked): from now on it holds a slot like any client.
@@ -417,7 +422,7 @@ class Connection:
     def _recv_prefix(self) -> tuple[bytes, list[int]]:
         """A frame prefix, and on a Unix socket the descriptors that came with it."""
         size = wire.FRAME_PREFIX.size
-        if not self.local:
+        if not self.takes_descriptors:
             return self._recv_exact(size), []
         prefix, fds = b"", []
         flags = socket.MSG_WAITALL | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
