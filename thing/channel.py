@@ -48,6 +48,8 @@ log = logging.getLogger("thing")
 SMALL_BYTES = 64 << 10
 GATHER_SECONDS = 0.01
 BATCH = 64
+# Small frames sent in one vectored write at most: bounds the buffers one sendmsg holds.
+COALESCE = 64
 
 _TRANSPORT_NAMES = {
     "tcp": "TCP",
@@ -400,8 +402,7 @@ class Channel:
                     self._inflight[seq] = pending
                     batch.append((seq, pending))
                 undelivered = dict(self._room.undelivered)
-            for seq, pending in batch:
-                self._send(sock, mac, seq, pending, undelivered)
+            self._send_batch(sock, mac, batch, undelivered)
 
     def _gather(self) -> None:
         """Let small captures wait a moment for company (the caller holds the lock).
@@ -422,8 +423,45 @@ class Channel:
                 return
             self._lock.wait(remaining)
 
-    def _send(self, sock: socket.socket, mac: auth.SessionMac | None, seq: int, pending: Pending,
-              undelivered: dict[str, int]) -> None:
+    def _send_batch(self, sock: socket.socket, mac: auth.SessionMac | None,
+                    batch: list[tuple[int, Pending]], undelivered: dict[str, int]) -> None:
+        """Send frames in order: small finished ones together, one vectored write for up to
+        COALESCE of them; one that is large, goes by shared memory, or whose end is known
+        only once it is sent, by itself."""
+        together: list[Any] = []
+        sent: list[wire.Payload] = []
+
+        def flush() -> None:
+            if together:
+                send_buffers(sock, together)
+            for payload in sent:  # the bytes are in the kernel: the arrays may be freed
+                payload.leaves.clear()
+            together.clear()
+            sent.clear()
+
+        alone = min(SMALL_BYTES, config.shm_threshold() if self.transport == "shm"
+                    else SMALL_BYTES)
+        for seq, pending in batch:
+            payload = pending.payload
+            if payload.nbytes >= alone or any(leaf.version is not None
+                                              for leaf in payload.leaves):
+                flush()
+                self._send(sock, mac, seq, pending, undelivered)
+                continue
+            frame = self._encode(seq, pending, undelivered)
+            if frame is not None:
+                prefix, header, views = frame
+                together += [prefix, header, *(view for view in views if view.nbytes),
+                             _trailer(mac, prefix, header, payload)]
+                sent.append(payload)
+            if len(sent) >= COALESCE:
+                flush()
+        flush()
+
+    def _encode(self, seq: int, pending: Pending, undelivered: dict[str, int]
+                ) -> tuple[bytes, bytes, list[Any]] | None:
+        """A frame's prefix, header and payload views; None (the capture failed) if a leaf
+        cannot be read."""
         payload = pending.payload
         try:
             views = [leaf_bytes(leaf) for leaf in payload.leaves]
@@ -432,13 +470,23 @@ class Channel:
             self._finish(seq, None, f"not sent: could not read the data: {exc}", "failed")
             self._log_once(f"send:{pending.name}", logging.WARNING,
                            "thing could not send %r: %s", pending.name, exc)
+            return None
+        return wire.encode_prefix(header, payload.nbytes), header, views
+
+    def _send(self, sock: socket.socket, mac: auth.SessionMac | None, seq: int, pending: Pending,
+              undelivered: dict[str, int]) -> None:
+        """Send one frame by itself: a large one, or one read in place (its trailer says
+        whether the data moved on while it was sent, which is known only once it was)."""
+        payload = pending.payload
+        frame = self._encode(seq, pending, undelivered)
+        if frame is None:
             return
+        prefix, header, views = frame
         if self.transport == "shm" and payload.nbytes >= config.shm_threshold():
             sent = self._send_shared(sock, mac, header, payload, views)
         else:
             sent = False
         if not sent:
-            prefix = wire.encode_prefix(header, payload.nbytes)
             buffers = [prefix, header, *(view for view in views if view.nbytes)]
             del views
             if any(leaf.version is not None for leaf in payload.leaves):

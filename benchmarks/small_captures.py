@@ -1,0 +1,280 @@
+"""Small captures per second: thing against raw sockets, one at a time, in one run.
+
+    python benchmarks/small_captures.py             # about a minute
+    python benchmarks/small_captures.py --quick     # fewer captures and trials
+
+A training loop sends small captures (a loss, a few scalars) one call at a
+time. Every method here sends N captures of 4 float32 from this process to a
+receiver in another process, one send call per capture, and the clock runs
+from the first send to the receiver's acknowledgement of the last. Every
+receiver keeps every message, in order, and the last one is checked bit-exact.
+
+- ``raw-unix`` / ``raw-tcp``: ``sendall`` of a message as long as thing's whole
+  frame for the same capture (prefix, header, payload, trailer), received with
+  ``recv_into`` a fresh ``bytearray`` per message, kept in a list; one
+  acknowledgement at the end. Default socket buffers on both.
+- ``thing`` (the Unix socket thing takes on one host, compiled core),
+  ``thing-py`` (the same with the pure-Python twin, ``THING_PUREPYTHON=1``) and
+  ``thing-tcp``: ``client.catch(x, name="s", block=True)`` N times, then
+  ``wait()`` on the last; the server keeps its history as a user's does
+  (every capture kept, no ``max_versions``).
+- ``fan-in``: 32 client processes × 2,000 captures each (``block=True``) into
+  one thing server, started together; aggregate rate from the first process
+  started to the last one's last acknowledgement, every capture counted.
+
+Trials of the one-client methods are interleaved (round robin) so drifting
+load hits them alike; the table shows the median and best trial, and each
+method's median as a multiple of raw-unix's median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+import numpy as np  # noqa: E402
+from _common import child_env, median  # noqa: E402
+
+VALUE = np.arange(4, dtype=np.float32)
+
+RAW_RECEIVER = """
+import socket, sys
+family, address, size, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if family == "unix":
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+else:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+listener.listen()
+print(listener.getsockname()[1] if family == "tcp" else address, flush=True)
+while True:
+    sock, _ = listener.accept()
+    kept = []
+    for _ in range(count):
+        message = bytearray(size)
+        view, got = memoryview(message), 0
+        while got < size:
+            n = sock.recv_into(view[got:])
+            if not n:
+                raise SystemExit("cut short")
+            got += n
+        kept.append(message)
+    expected = (bytes(range(256)) * (size // 256 + 1))[:size]
+    sock.sendall(b"\\x01" if len(kept) == count and kept[-1] == expected else b"\\x00")
+    sock.close()
+"""
+
+THING_RECEIVER = """
+import sys, thing
+server = thing.Server(port=0).start()
+print(server.port, flush=True)
+for line in sys.stdin:
+    name, count = line.split()
+    history = server.store.get_all(name)
+    last = history[-1].value.tobytes() if history else b""
+    print(len(history), last.hex(), flush=True)
+    server.clear(name)
+"""
+
+FAN_IN_CLIENT = """
+import sys, numpy as np, thing
+client = thing.Client("127.0.0.1", int(sys.argv[1]))
+value = np.arange(4, dtype=np.float32)
+sys.stdin.readline()  # go
+for _ in range(int(sys.argv[2])):
+    handle = client.catch(value, name="fan", block=True)
+assert handle.wait(120), handle.error
+client.close()
+"""
+
+
+def frame_size() -> int:
+    """Bytes thing sends for one capture of VALUE: prefix, header, payload and trailer."""
+    from thing import wire
+
+    payload = wire.take_apart(VALUE)
+    meta = {"caught_at": time.time(), "site": "train.py:42 (step)", "rank": 0, "world_size": 2}
+    header = wire.encode_header(123456, "s", payload, meta)
+    return wire.FRAME_PREFIX.size + len(header) + VALUE.nbytes + wire.FRAME_TRAILER.size
+
+
+class RawMethod:
+    def __init__(self, family: str, size: int, count: int):
+        self.family, self.size, self.count = family, size, count
+        self.address = (os.path.join(tempfile.mkdtemp(), "raw.sock") if family == "unix"
+                        else "")
+        self.child = subprocess.Popen(
+            [sys.executable, "-c", RAW_RECEIVER, family, self.address, str(size), str(count)],
+            stdout=subprocess.PIPE, text=True)
+        where = self.child.stdout.readline().strip()
+        self.target = where if family == "unix" else ("127.0.0.1", int(where))
+        self.message = (bytes(range(256)) * (size // 256 + 1))[:size]
+
+    def trial(self) -> float:
+        family = socket.AF_UNIX if self.family == "unix" else socket.AF_INET
+        with socket.socket(family) as sock:
+            sock.connect(self.target)
+            if family == socket.AF_INET:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            message = self.message
+            started = time.perf_counter()
+            for _ in range(self.count):
+                sock.sendall(message)
+            ok = sock.recv(1)
+            elapsed = time.perf_counter() - started
+        if ok != b"\x01":
+            raise RuntimeError(f"{self.family} receiver did not get every message")
+        return self.count / elapsed
+
+    def close(self) -> None:
+        self.child.kill()
+        self.child.wait()
+
+
+class ThingMethod:
+    def __init__(self, count: int, **env: str):
+        import thing
+
+        self.count = count
+        self.env = env
+        self.child = subprocess.Popen([sys.executable, "-c", THING_RECEIVER],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      env=child_env(**env))
+        port = int(self.child.stdout.readline())
+        # The client in this process takes the path THING_TRANSPORT says; the twin is
+        # chosen at import, so the pure-Python client runs in a child of its own.
+        self.client_child = None
+        if env.get("THING_PUREPYTHON"):
+            self.client_child = subprocess.Popen(
+                [sys.executable, "-c", textwrap.dedent(TWIN_CLIENT), str(port), str(count)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(**env))
+            assert self.client_child.stdout.readline().strip() == "ready"
+        else:
+            os.environ["THING_TRANSPORT"] = env.get("THING_TRANSPORT", "auto")
+            self.client = thing.Client("127.0.0.1", port)
+            assert self.client.catch(VALUE, name="warm").wait(10)
+            del os.environ["THING_TRANSPORT"]
+
+    def trial(self) -> float:
+        if self.client_child is not None:
+            self.client_child.stdin.write("go\n")
+            self.client_child.stdin.flush()
+            rate = float(self.client_child.stdout.readline())
+        else:
+            started = time.perf_counter()
+            for _ in range(self.count):
+                handle = self.client.catch(VALUE, name="s", block=True)
+            if not handle.wait(120):
+                raise RuntimeError(handle.error)
+            rate = self.count / (time.perf_counter() - started)
+        self.child.stdin.write(f"s {self.count}\n")
+        self.child.stdin.flush()
+        kept, last = self.child.stdout.readline().split()
+        if int(kept) != self.count or bytes.fromhex(last) != VALUE.tobytes():
+            raise RuntimeError(f"thing server kept {kept} of {self.count}, or not bit-exact")
+        return rate
+
+    def close(self) -> None:
+        if self.client_child is not None:
+            self.client_child.stdin.close()
+            self.client_child.wait()
+        else:
+            self.client.close()
+        self.child.stdin.close()
+        self.child.wait()
+
+
+TWIN_CLIENT = """
+import sys, time, numpy as np, thing
+client = thing.Client("127.0.0.1", int(sys.argv[1]))
+value = np.arange(4, dtype=np.float32)
+assert client.catch(value, name="warm").wait(10)
+print("ready", flush=True)
+for _ in sys.stdin:
+    started = time.perf_counter()
+    for _ in range(int(sys.argv[2])):
+        handle = client.catch(value, name="s", block=True)
+    assert handle.wait(120), handle.error
+    print(int(sys.argv[2]) / (time.perf_counter() - started), flush=True)
+client.close()
+"""
+
+
+def fan_in(clients: int, each: int) -> tuple[float, int]:
+    """Aggregate captures/s of ``clients`` processes into one server, and how many arrived."""
+    server = subprocess.Popen([sys.executable, "-c", THING_RECEIVER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=child_env())
+    port = server.stdout.readline().strip()
+    children = [subprocess.Popen([sys.executable, "-c", FAN_IN_CLIENT, port, str(each)],
+                                 stdin=subprocess.PIPE, env=child_env(), text=True)
+                for _ in range(clients)]
+    time.sleep(3)  # let them import and connect; the clock starts at "go"
+    started = time.perf_counter()
+    for child in children:
+        child.stdin.write("go\n")
+        child.stdin.flush()
+    for child in children:
+        if child.wait(300) != 0:
+            raise RuntimeError("a fan-in client failed")
+    elapsed = time.perf_counter() - started
+    server.stdin.write(f"fan {clients * each}\n")
+    server.stdin.flush()
+    kept = int(server.stdout.readline().split()[0])
+    server.stdin.close()
+    server.wait()
+    return kept / elapsed, kept
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="5,000 captures, 2 trials")
+    parser.add_argument("--count", type=int, default=20_000)
+    parser.add_argument("--trials", type=int, default=3)
+    args = parser.parse_args()
+    count, trials = (5_000, 2) if args.quick else (args.count, args.trials)
+    _common.print_machine("small captures, one at a time")
+    size = frame_size()
+    print(f"\n{count} captures of 4 float32 per trial, {trials} trials; thing's frame for one "
+          f"is {size} bytes, the raw messages as long.\n")
+    methods = {
+        "raw-unix": RawMethod("unix", size, count),
+        "raw-tcp": RawMethod("tcp", size, count),
+        "thing": ThingMethod(count),
+        "thing-py": ThingMethod(count, THING_PUREPYTHON="1"),
+        "thing-tcp": ThingMethod(count, THING_TRANSPORT="tcp"),
+    }
+    rates: dict[str, list[float]] = {key: [] for key in methods}
+    try:
+        for trial in range(trials):
+            for key in list(methods)[trial % len(methods):] + list(methods)[:trial % len(methods)]:
+                rates[key].append(methods[key].trial())
+    finally:
+        for method in methods.values():
+            method.close()
+    base = median(rates["raw-unix"])
+    print(f"{'method':<11}{'median /s':>12}{'best /s':>12}{'x raw-unix':>12}")
+    for key, values in rates.items():
+        print(f"{key:<11}{median(values):>12,.0f}{max(values):>12,.0f}"
+              f"{median(values) / base:>12.3f}")
+    twin = median(rates["thing-py"])
+    print(f"\ncompiled core / pure-Python twin, small captures: "
+          f"{median(rates['thing']) / twin:.2f}x")
+    clients, each = (8, 500) if args.quick else (32, 2_000)
+    rate, kept = fan_in(clients, each)
+    print(f"fan-in: {clients} processes x {each} captures: {rate:,.0f} captures/s aggregate, "
+          f"{kept} of {clients * each} stored")
+    return 0 if kept == clients * each else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
