@@ -134,3 +134,15 @@ def test_wheel_installs_into_a_fresh_venv_and_round_trips(wheel: Path, tmp_path:
         assert Path(side["thing"]).resolve().is_relative_to(site), side["thing"]
         assert Path(side["core"]).resolve().is_relative_to(site), side["core"]
         assert not Path(side["thing"]).resolve().is_relative_to(ROOT.resolve())
+
+
+def test_an_unbuilt_source_tree_says_how_to_build_it(tmp_path) -> None:
+    shutil.copytree(ROOT / "thing", tmp_path / "thing",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    result = subprocess.run([sys.executable, "-c", "import thing; print(thing.BACKEND)"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert result.returncode == 0 and result.stdout.strip() == "python"
+    assert "compiled core is not built" in result.stderr
+    assert f"python -m pip install -e {tmp_path}" in result.stderr

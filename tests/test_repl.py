@@ -193,6 +193,8 @@ def test_identifier_rule() -> None:
     assert rule("<module>:12") == "module_12"
     assert rule("...") == "_"
     assert rule("ß.x") == "ß_x"
+    # As Python reads what is typed (NFKC): names nobody could type become ones they can.
+    assert [rule(name) for name in ("x²", "ﬁle", "①a")] == ["x2", "file", "_1a"]
 
 
 def test_ingest_all_binds_sanitised_names_and_keeps_existing(default: thing.Server) -> None:

@@ -95,3 +95,16 @@ def test_describe_shows_the_call_site_of_named_captures(server: thing.Server,
     monkeypatch.setenv("COLUMNS", "120")
     server.describe("lr")
     assert "<string>:4 (step)" in capsys.readouterr().out
+
+
+def test_a_failed_capture_is_counted_once_with_no_server_to_tell() -> None:
+    out = run_script("""
+        import thing
+        client = thing.Client("127.0.0.1", 1)  # nothing listens on port 1
+        print(client.catch(object(), name="bad").error)
+        client.flush(2)
+        print(client.undelivered)
+    """)
+    error, counts = out.strip().splitlines()
+    assert error.startswith("not sent: cannot send an object of type object")
+    assert counts == "{'failed': 1}"

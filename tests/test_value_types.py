@@ -14,6 +14,7 @@ import enum
 import json
 import math
 import struct
+import time
 import warnings
 from typing import Any
 
@@ -669,3 +670,24 @@ def test_non_str_keys_and_sets_round_trip_through_the_servers_reader() -> None:
     value = {1: "a", None: {"b", 2.5}, 1.5: frozenset({3j})}
     (received,) = read_like_the_server(frame_bytes(value))
     assert _same(received, value)
+
+
+@pytest.mark.parametrize("node", [
+    {"set": [i * ((1 << 61) - 1) for i in range(2000)]},
+    {"dict": [[i * ((1 << 61) - 1), 1] for i in range(2000)]},
+    {"list": [{"set": [{"frozenset": [i * ((1 << 61) - 1) for i in range(2000)]}]}]},
+])
+def test_keys_that_share_one_hash_are_refused_at_once(node) -> None:
+    # Ints that differ by multiples of 2**61 - 1 share a hash: a set of thousands of them
+    # would take the receiver seconds of the GIL to build, on every connection's thread.
+    raw = json.dumps({"seq": 1, "name": "x", "value": node, "leaves": [], "meta": {}}).encode()
+    started = time.perf_counter()
+    with pytest.raises(ProtocolError, match="share one hash"):
+        wire.decode_header(raw, 0, wire.Limits())
+    assert time.perf_counter() - started < 1
+
+
+def test_sets_and_int_keyed_dicts_of_ordinary_values_are_fine() -> None:
+    node = {"set": list(range(5000))}
+    raw = json.dumps({"seq": 1, "name": "x", "value": node, "leaves": [], "meta": {}}).encode()
+    assert wire.build_value(wire.decode_header(raw, 0, wire.Limits()).tree, []) == set(range(5000))

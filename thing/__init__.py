@@ -119,8 +119,9 @@ def catch(
 ) -> CaptureHandle:
     """Send ``obj`` to the thing server without disturbing the caller.
 
-    ``obj``: a numpy/torch/jax array, a number, a string, bytes, or nested
-    list/tuple/dict of them. ``name`` defaults to the argument's source text.
+    ``obj``: a numpy/torch/jax array (torch sparse too), a number, a string,
+    bytes, or nested lists, tuples, dicts and sets of them. ``name`` defaults
+    to the argument's source text.
     ``server="host:port"`` overrides ``THING_SERVER``/``THING_PORT`` (default
     ``localhost:2875``). ``every=n`` sends every n-th call of a name;
     ``first=n`` only its first n. What arrives is the value at this call:

@@ -347,13 +347,12 @@ def sparse_tensor(sent: SparseParts) -> Any:
     torch = _torch()
     if torch is None:
         return None
+    check_sparse_indices(sent)
     layout = SPARSE_LAYOUTS[sent.layout]
     tensors = [sent.parts[name] for name in layout.parts]
     if layout.compressed_dim is None:
-        _check_coo_indices(tensors[0].numpy(), sent.size)
         construct, options = torch.sparse_coo_tensor, {"is_coalesced": sent.coalesced}
     else:
-        _check_compressed_indices(sent, layout, tensors[0].numpy(), tensors[1].numpy())
         construct = torch.sparse_compressed_tensor
         options = {"layout": getattr(torch, sent.layout)}
     try:
@@ -363,6 +362,20 @@ def sparse_tensor(sent: SparseParts) -> Any:
     except (RuntimeError, ValueError, IndexError) as exc:  # what torch's own checks raise
         reason = str(exc).splitlines()[0]
         raise ProtocolError(f"the peer sent an invalid {sent.layout} tensor: {reason}") from None
+
+
+def check_sparse_indices(sent: SparseParts) -> None:
+    """Raise :class:`ProtocolError` unless a peer's sparse tensor's indices fit its size.
+
+    The parts may be numpy arrays (the receiver checks them as they arrive, so
+    a bad tensor is refused, not stored) or CPU torch tensors.
+    """
+    layout = SPARSE_LAYOUTS[sent.layout]
+    if layout.compressed_dim is None:
+        _check_coo_indices(np.asarray(sent.parts["indices"]), sent.size)
+    else:
+        compressed, plain = (np.asarray(sent.parts[name]) for name in layout.parts[:2])
+        _check_compressed_indices(sent, layout, compressed, plain)
 
 
 def _check_coo_indices(indices: np.ndarray, size: list[int]) -> None:

@@ -48,7 +48,7 @@ log = logging.getLogger("thing")
 SMALL_BYTES = 64 << 10
 GATHER_SECONDS = 0.01
 BATCH = 64
-# Small frames sent in one vectored write at most: bounds the buffers one sendmsg holds.
+# Small frames sent in one vectored write at most: bounds what one sendmsg holds.
 COALESCE = 64
 
 _TRANSPORT_NAMES = {
@@ -59,6 +59,9 @@ _TRANSPORT_NAMES = {
 
 _CLOSED_IN_FLIGHT = ("unacknowledged: the client was closed before the server answered "
                      "(it may or may not have stored it)")
+
+# Notices of unsent captures a connection sends at most (one per name and reason).
+MAX_TOLD = 1000
 
 # Why captures were not delivered, as the client counts them (see Client.undelivered).
 NOT_DELIVERED_REASONS = ("no server", "queue full", "failed", "lost", "closed")
@@ -133,6 +136,8 @@ class Channel:
         self._inflight: dict[int, Pending] = {}
         self._seq = itertools.count()
         self._sock: socket.socket | None = None
+        self._notices = False  # whether the server takes notices of unsent captures
+        self._told: set[tuple[str | None, str]] = set()  # notices sent on this connection
         self._lost = False  # the reader saw the connection end; the sender must reconnect
         self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
         self._closed = False
@@ -162,11 +167,23 @@ class Channel:
         return self._enqueue(pending, block, copy, snapshot_bytes)
 
     def tell_unsent(self, name: str | None, site: CallSite | None,
-                    rank: tuple[int | None, int | None], obj: Any, reason: str) -> bool:
-        """Queue a notice (no data) that a capture of ``obj`` could not be sent; False if full."""
+                    rank: tuple[int | None, int | None], obj: Any, reason: str) -> None:
+        """Queue a notice (no data) that a capture of ``obj`` could not be sent, and why.
+
+        Once per name and reason on each connection (a server that restarted hears
+        again), and only to a server that said it takes notices: an older one would
+        store the notice as a capture of None (see :meth:`_send_batch`).
+        """
+        reason = reason[:wire.MAX_REASON]
+        with self._lock:
+            told = self._told
+            if (name, reason) in told or len(told) >= MAX_TOLD:
+                return
         notice = Pending(name, wire.Payload(None, [], 0), site, time.time(), rank,
                          CaptureHandle(name), {"type": wire.type_name(obj), "reason": reason})
-        return self._enqueue(notice, False, False, 0) is notice.handle
+        if self._enqueue(notice, False, False, 0) is notice.handle:
+            with self._lock:
+                told.add((name, reason))
 
     def _enqueue(self, pending: Pending, block: bool, copy: bool | None,
                  snapshot_bytes: int) -> CaptureHandle:
@@ -351,6 +368,9 @@ class Channel:
             raise HandshakeError(
                 f"the server at {host}:{port} did not ask for the token, so it cannot prove "
                 "it is yours (another user's, listening first?); not sending to it")
+        if status == wire.HANDSHAKE_OK:
+            with self._lock:
+                self._notices, self._told = info.get("notices") is True, set()
         if status != wire.HANDSHAKE_OK:
             error = wire.printable(str(info.get("error", "?")))
             if token is None and "token" in error:
@@ -368,7 +388,10 @@ class Channel:
         self._queue.clear()
         for pending in dropped:
             self._room.give_back(pending.payload.nbytes)
-        self._room.undelivered[reason] += len(dropped)
+        # A notice is not a capture: the capture it is about was counted as "failed".
+        captures = sum(pending.unsent is None for pending in dropped)
+        if captures:
+            self._room.undelivered[reason] += captures
         return dropped
 
     def _set_down(self, reason: Exception) -> None:
@@ -443,6 +466,9 @@ class Channel:
                     else SMALL_BYTES)
         for seq, pending in batch:
             payload = pending.payload
+            if pending.unsent is not None and not self._notices:
+                self._finish(seq, None, "not sent: this server takes no notices", None)
+                continue
             if payload.nbytes >= alone or any(leaf.version is not None
                                               for leaf in payload.leaves):
                 flush()
@@ -565,7 +591,7 @@ class Channel:
             self._room.give_back(pending.payload.nbytes)
             if capture_id is not None and pending.unsent is None:
                 self._room.stored += 1
-            elif reason is not None:
+            elif reason is not None and pending.unsent is None:
                 self._room.undelivered[reason] += 1
         pending.handle.resolve(capture_id, error)
         if error is not None:

@@ -155,7 +155,6 @@ class Client:
         self._lock = self._queue.lock
         # server= string -> channel, oldest first; several strings may share a channel.
         self._channels: OrderedDict[str | None, Channel] = OrderedDict()
-        self._told: set[tuple[str | None, str | None, str]] = set()  # notices sent from here
 
     def catch(
         self,
@@ -169,7 +168,8 @@ class Client:
         block: bool = False,
         _frame: Any = None,
     ) -> CaptureHandle:
-        """Queue ``obj`` (an array, a number, a string, or nested list/tuple/dict of them).
+        """Queue ``obj``: an array (numpy, torch incl. sparse, jax), a number, a string, bytes,
+        or nested lists, tuples, dicts and sets of them.
 
         ``name`` defaults to the source text of the argument. ``every=n`` sends
         the 1st, (1+n)th, ... call of a name; ``first=n`` only its first n sent
@@ -189,7 +189,7 @@ class Client:
                 throttle = self._throttles.get(name)
                 if throttle is None:
                     throttle = self._new_throttle(name)
-                if not throttle.admit(every, first):
+                if not throttle.admit(int(every), first):
                     return SKIPPED
             if site is None:  # given a name: where it was caught still helps describe()
                 site = self._names.site_for(_frame or sys._getframe(1))
@@ -214,15 +214,12 @@ class Client:
 
     def _tell_server(self, server: str | None, name: str | None, site: CallSite | None,
                      obj: Any, reason: str) -> None:
-        """Send the server a notice (no data) of a capture that could not be sent, once per
-        name and reason, so that the REPL can say what went missing and why."""
+        """Tell the server (no data) that a capture could not be sent, so that the REPL can
+        say what went missing and why; see :meth:`Channel.tell_unsent`."""
         try:
-            key = (server, name, reason)
             channel = self._channels.get(server)
-            if key in self._told or channel is None or len(self._told) >= self._max_names:
-                return
-            if channel.tell_unsent(name, site, self._rank.read(), obj, reason):
-                self._told.add(key)
+            if channel is not None:
+                channel.tell_unsent(name, site, self._rank.read(), obj, reason)
         except Exception as exc:  # still catch(): never raises
             log.debug("could not tell the server about %r: %s", name, exc)
 

@@ -72,6 +72,7 @@ class Table:
     give_way: list[tuple[str, str]] = field(default_factory=list)
 
     def text(self, width: int) -> str:
+        """The table as lines of at most ``width`` characters (notes wrap; cells never do)."""
         shown, widths = self._fit(width)
         lines = [self.title] if self.title else []
         if self.rows:
@@ -106,6 +107,7 @@ class Table:
         return shown, widths
 
     def html(self) -> str:
+        """The whole table, every cell escaped."""
         parts = ['<table style="text-align:left">']
         if self.title:
             parts.append(f'<caption style="text-align:left"><b>{_esc(self.title)}</b></caption>')
@@ -129,6 +131,7 @@ class Fields:
     pairs: list[tuple[str, str]]
 
     def text(self, width: int) -> str:
+        """``label  value`` lines, values wrapped at ``width`` under themselves."""
         labels = max((len(label) for label, _ in self.pairs), default=0)
         lines = [self.title] if self.title else []
         indent = " " * (labels + len(GAP))
@@ -140,6 +143,7 @@ class Fields:
         return "\n".join(lines)
 
     def html(self) -> str:
+        """A two-column HTML table, escaped."""
         rows = "".join(f'<tr><th style="text-align:left">{_esc(label)}</th>'
                        f'<td style="text-align:left">{_esc(value)}</td></tr>'
                        for label, value in self.pairs)
@@ -155,6 +159,7 @@ class Entries:
     entries: list[tuple[str, str]]
 
     def text(self, width: int) -> str:
+        """Each heading, then its line wrapped and indented below it."""
         lines = [self.title]
         for heading, line in self.entries:
             lines.append(heading)
@@ -163,6 +168,7 @@ class Entries:
         return "\n".join(lines) + "\n"
 
     def html(self) -> str:
+        """A definition list, escaped."""
         items = "".join(f"<dt><code>{_esc(heading)}</code></dt><dd>{_esc(line)}</dd>"
                         for heading, line in self.entries)
         return f"<b>{_esc(self.title)}</b><dl>{items}</dl>"

@@ -17,7 +17,7 @@ import types
 from typing import Any
 
 from .display import Fields, Report
-from .errors import UnknownName
+from .errors import ProtocolError, UnknownName
 from .names import identifier_for
 from .store import HistoryStore, value_of
 
@@ -65,6 +65,9 @@ def ingest_all(store: HistoryStore, overwrite: bool = False,
         try:
             namespace[ident] = value_of(store.get(name))
         except UnknownName:  # cleared or evicted meanwhile
+            continue
+        except ProtocolError as exc:  # a peer's value that cannot be built
+            refused.append(f"{name!r} ({exc})")
             continue
         bound[ident] = name
     pairs = [("bound", ", ".join(ident if ident == name else f"{ident} ({name!r})"

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .display import Column, Report, Table, elide, in_notebook, terminal_width
-from .reports import bytes_text, clock, flag, kind, rank_text, scalar_text, sender_text
+from .reports import bytes_text, clock, flag, rank_text, row_kind, sender_text
 from .store import Capture, HistoryStore
 
 if TYPE_CHECKING:
@@ -85,11 +85,10 @@ def view(store: HistoryStore, info: ServerInfo, rows: int, width: int | None = N
 
 
 def _arrival_row(capture: Capture) -> list[str]:
-    shape, dtype, _ = kind(capture)
+    shape, dtype, _, value = row_kind(capture)
     return [clock(capture.received_at)[11:], str(capture.id),
             (capture.name if capture.name is not None else "(unnamed)") + flag(capture),
-            rank_text(capture), shape, dtype, scalar_text(capture.value) or "",
-            sender_text(capture)]
+            rank_text(capture), shape, dtype, value, sender_text(capture)]
 
 
 class NotebookWatcher:
@@ -111,6 +110,7 @@ class NotebookWatcher:
 
     @property
     def running(self) -> bool:
+        """True while the display is being updated."""
         return self._thread.is_alive()
 
     def _run(self) -> None:

@@ -43,6 +43,7 @@ import re
 import threading
 import tokenize
 import types
+import unicodedata
 import weakref
 from typing import Any, NamedTuple, Optional
 
@@ -221,8 +222,11 @@ def identifier_for(name: str) -> str:
     a digit, is a keyword or is empty gets a leading ``_``. ``thing.get``
     accepts it for the name when no other name has the same identifier.
     """
-    ident = re.sub(r"\W+", "_", name).strip("_")
-    if not ident or ident[0].isdigit() or keyword.iskeyword(ident):
+    # NFKC first, as Python reads identifiers ("x²" is typed as "x2", "ﬁle" as "file").
+    ident = re.sub(r"\W+", "_", unicodedata.normalize("NFKC", name)).strip("_")
+    if not ident.isidentifier() and ident:  # word characters that cannot start one ("①")
+        ident = "".join(c if ("_" + c).isidentifier() else "_" for c in ident)
+    if not ident or not ident.isidentifier() or keyword.iskeyword(ident):
         ident = "_" + ident
     return ident
 

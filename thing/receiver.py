@@ -166,7 +166,8 @@ class Connection:
             self._authenticate(settings.token, info.get("nonce"))
         # Proven (or no token asked): from now on it holds a slot like any client.
         self.handshaken, self.since = True, time.monotonic()
-        send_buffers(sock, [wire.encode_handshake({"server": "thing", "pid": os.getpid()})])
+        welcome = {"server": "thing", "pid": os.getpid(), "notices": True}
+        send_buffers(sock, [wire.encode_handshake(welcome)])
         settings.deadlines.stop(sock)
         self.sender = Sender(
             address=self.address,
@@ -333,6 +334,7 @@ class Connection:
                 charge.fill(sum(view.nbytes for view in batch))  # evicts only as bytes come
                 recv_buffers(self.sock, [*batch, trailer] if number == len(batches) else batch)
         modified = self._check_trailer(trailer, signature)
+        wire.check_received(header.tree, arrays)
         meta = header.meta
         sender = _sender_of(meta, self.sender)
         undelivered = _undelivered_of(meta)
@@ -565,7 +567,7 @@ def _notice_of(header: wire.FrameHeader, sender: Sender) -> UnsentNotice:
     return UnsentNotice(
         None if header.name is None else wire.printable(header.name),
         _str_or(unsent.get("type"), 200) or "?",
-        _str_or(unsent.get("reason"), 1000) or "?",
+        _str_or(unsent.get("reason"), wire.MAX_REASON) or "?",
         _str_or(header.meta.get("site")),
         sender,
         time.time(),

@@ -168,8 +168,12 @@ def describe(name_or_id: str | int, index: int = 0, rank: int | None = None) -> 
 
 @_short_traceback
 def status(watch: bool = True) -> None:
-    """Watch arrivals live. In a terminal until Ctrl+C; in Jupyter a display that updates by
-    itself while the kernel stays free (``status(False)`` stops it). The server keeps going."""
+    """Watch arrivals live; the server keeps receiving whatever happens to the view.
+
+    In a terminal the view is redrawn until Ctrl+C. In Jupyter it is a display
+    that updates itself while the kernel stays free; ``status(False)`` (or
+    calling ``status()`` again) stops it.
+    """
     from . import live
 
     server = default_server()

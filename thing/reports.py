@@ -11,14 +11,15 @@ from __future__ import annotations
 import datetime
 import inspect
 import re
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .arrays import is_array
+from .arrays import is_array, sparse_parts
 from .display import Column, Entries, Fields, Report, Table
-from .errors import UnknownName
+from .errors import ProtocolError, UnknownName
 from .stats import ArrayStats, array_stats
 from .store import Capture, HistoryStore, Sender, UnsentNotice
 
@@ -51,10 +52,9 @@ def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None 
     ranked = any(capture.rank is not None for capture, _ in overview.names)
     rows = []
     for capture, versions in overview.names:
-        shape, dtype, framework = kind(capture)
+        shape, dtype, framework, value = row_kind(capture)
         rows.append([capture.name + flag(capture), rank_text(capture), shape, dtype, framework,
-                     scalar_text(capture.value) or "", str(versions),
-                     ago(capture.received_at, now), sender_text(capture)])
+                     value, str(versions), ago(capture.received_at, now), sender_text(capture)])
     columns = [Column("name", 16, "middle"), Column("rank"), Column("shape"), Column("dtype"),
                Column("from"), Column("value", 8), Column("kept"), Column("arrived"),
                Column("sender", 10, "middle")]
@@ -125,7 +125,10 @@ def describe(store: HistoryStore, name_or_id: str | int, index: int = 0,
     try:
         capture = store.get(name_or_id, index, rank)
     except UnknownName:
-        notices = store.unsent(name_or_id) if isinstance(name_or_id, str) else []
+        # Only a name with nothing kept is described by notices (of that rank, if asked).
+        unknown = isinstance(name_or_id, str) and not store.versions(name_or_id)
+        notices = [notice for notice in store.unsent(name_or_id) if unknown and (
+            rank is None or notice.sender.rank == rank)] if unknown else []
         if not notices:
             raise
         return Report(*(_notice_fields(notice) for notice in notices))
@@ -162,7 +165,7 @@ def capture_report(capture: Capture, store: HistoryStore | None = None) -> Repor
                   "yes: the value at the catch() call" if capture.consistent else
                   "NO: it changed after catch() before its send ended, so it holds a later "
                   "value or a mix of two (catch(..., copy=True) avoids it)"))
-    scalar = scalar_text(value)
+    scalar = exact_text(value)
     table = None
     if scalar is not None:
         pairs.append(("value", scalar))
@@ -253,6 +256,9 @@ def _leaf_paths(value: Any) -> list[tuple[str, Any]]:
         elif isinstance(node, (list, tuple)):
             for index, item in enumerate(node):
                 walk(item, f"{path}[{index}]")
+        elif _is_sparse(node):  # it travelled as its parts, one leaf each
+            for part, tensor in sparse_parts(node).parts.items():
+                found.append((f"{path}.{part}", tensor))
         elif is_array(node):
             found.append((path, node))
 
@@ -333,8 +339,8 @@ def shape_text(shape: tuple[int, ...]) -> str:
 def kind(capture: Capture) -> tuple[str, str, str]:
     """``(shape, dtype, framework)`` as the summary shows them."""
     value, leaves = capture.value, capture.leaves
-    layout = str(getattr(value, "layout", "strided")).rpartition(".")[2]
-    if layout != "strided":  # a sparse torch tensor: its parts are the leaves
+    if _is_sparse(value):  # its parts are the leaves
+        layout = str(value.layout).rpartition(".")[2]
         return shape_text(tuple(value.shape)), str(value.dtype).rpartition(".")[2], \
             f"torch {layout}"
     if is_container(value):
@@ -351,6 +357,20 @@ def kind(capture: Capture) -> tuple[str, str, str]:
     return "-", type(value).__name__, "python"
 
 
+def row_kind(capture: Capture) -> tuple[str, str, str, str]:
+    """``kind(capture)`` and its scalar text, for a table row: a value that cannot be
+    built (a peer's sparse tensor torch refuses) shows why instead of failing the table."""
+    try:
+        return (*kind(capture), scalar_text(capture.value) or "")
+    except ProtocolError as exc:
+        return "-", "-", "-", f"cannot be built: {exc}"
+
+
+def _is_sparse(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor) and value.layout != torch.strided
+
+
 def _several(items: Any, most: int = 2) -> str:
     distinct = sorted(set(items))
     return ",".join(distinct) if len(distinct) <= most else f"{len(distinct)} kinds"
@@ -365,6 +385,18 @@ def scalar_text(value: Any) -> str | None:
     if isinstance(value, np.generic) or getattr(value, "ndim", None) == 0:
         try:
             return number(value.item())
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    return None
+
+
+def exact_text(value: Any) -> str | None:
+    """A single value in full, as Python writes it (``0.1234567891``), else None."""
+    if value is None or isinstance(value, (bool, int, float, complex, str)):
+        return repr(value)
+    if isinstance(value, np.generic) or getattr(value, "ndim", None) == 0:
+        try:
+            return repr(value.item())
         except (TypeError, ValueError, RuntimeError):
             return None
     return None

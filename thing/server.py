@@ -42,8 +42,6 @@ class ServerInfo:
 
     host: str
     port: int
-    unix_path: Path | None
-    token_required: bool
     clients: int  # connected now
     dropped_transfers: int  # frames begun but not stored
     refused: int  # connections turned away at the cap
@@ -198,8 +196,7 @@ class Server:
         """A snapshot of where this server listens and how its connections fare."""
         with self._lock:
             clients = len(self._connections)
-        return ServerInfo(self.host, self.port, self.unix_path, self.token is not None, clients,
-                          self.dropped_transfers, self.refused)
+        return ServerInfo(self.host, self.port, clients, self.dropped_transfers, self.refused)
 
     def __repr__(self) -> str:
         if not self.running:

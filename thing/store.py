@@ -172,6 +172,9 @@ class HistoryStore:
         self._changed = threading.Condition()
         self._by_id: OrderedDict[int, Capture] = OrderedDict()  # oldest first
         self._by_name: dict[str, deque[Capture]] = {}  # each oldest first
+        # hash(identifier_for(name)) -> the kept names, so that get("h_3") finds h[3]. Keyed
+        # by the hash: a copy of every (possibly long) name would be memory nobody charges.
+        self._by_identifier: dict[int, set[str]] = {}
         self._updated: OrderedDict[str, None] = OrderedDict()  # names, least recently updated first
         self._charged: dict[int, int] = {}  # id -> bytes counted in _held
         self._next_id = 0
@@ -279,7 +282,10 @@ class HistoryStore:
             if name is None:
                 self._unnamed += 1
             else:
-                history = self._by_name.setdefault(name, deque())
+                history = self._by_name.get(name)
+                if history is None:
+                    history = self._by_name[name] = deque()
+                    self._by_identifier.setdefault(hash(identifier_for(name)), set()).add(name)
                 history.append(capture)
                 self._updated.pop(name, None)
                 self._updated[name] = None
@@ -311,6 +317,10 @@ class HistoryStore:
         if not history:
             del self._by_name[capture.name]
             del self._updated[capture.name]
+            key = hash(identifier_for(capture.name))
+            self._by_identifier[key].discard(capture.name)
+            if not self._by_identifier[key]:
+                del self._by_identifier[key]
 
     # -- querying ----------------------------------------------------------------
 
@@ -355,13 +365,18 @@ class HistoryStore:
             raise TypeError(f"a capture is looked up by name (str) or id (int), not {name!r}")
         if name in self._by_name:
             return name
-        aliased = [known for known in self._by_name if identifier_for(known) == name]
+        aliased = self._aliased(name)
         if len(aliased) == 1:
             return aliased[0]
         if aliased:
             raise UnknownName(f"{name!r} stands for several names: "
                               f"{', '.join(map(repr, aliased))}; use one of them")
         raise UnknownName(self._unknown(name))
+
+    def _aliased(self, ident: str) -> list[str]:
+        """The kept names whose identifier is ``ident``."""
+        return sorted(known for known in self._by_identifier.get(hash(ident), ())
+                      if identifier_for(known) == ident)
 
     def _unknown(self, name: str) -> str:
         notice = next((n for n in reversed(self._unsent.values()) if n.name == name), None)
@@ -447,10 +462,12 @@ class HistoryStore:
             if after is None:
                 after = self._next_id - 1
             while True:
-                try:
-                    history = self._by_name[self._resolve(name)]
-                except UnknownName:
-                    history = None
+                # A cheap look (no message built for a name not there yet): this runs
+                # under the lock at every arrival.
+                aliased = self._aliased(name) if name not in self._by_name else []
+                known = name if name in self._by_name else (
+                    aliased[0] if len(aliased) == 1 else None)
+                history = self._by_name.get(known) if known is not None else None
                 if history and history[-1].id > after:
                     return history[-1]
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -466,7 +483,10 @@ class HistoryStore:
                 dropped = list(self._by_id.values())
                 self._unsent.clear()
             else:
-                dropped = list(self._by_name[self._resolve(name)])
+                name = self._resolve(name)
+                dropped = list(self._by_name[name])
+                for key in [key for key in self._unsent if key[0] == name]:
+                    del self._unsent[key]
             for capture in dropped:
                 self._drop(capture)
             return len(dropped)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from .arrays import (
     LeafSpec,
     SparseLayout,
     SparseParts,
+    check_sparse_indices,
     describe_leaf,
     finish,
     hold,
@@ -64,6 +66,9 @@ ACK_REJECTED = 1
 # The seq of a rejection for a frame whose header was not read. Every frame gets exactly
 # one ack, in frame order, so this always answers the oldest frame not yet answered.
 SEQ_OLDEST_UNANSWERED = (1 << 64) - 1
+
+# The longest reason a notice of an unsent capture carries (the rest is cut).
+MAX_REASON = 1000
 
 _NDIM_MAX = 64
 _DIM_MAX = 1 << 62
@@ -170,7 +175,7 @@ def _walk(obj: Any, leaves: list[Leaf], depth: int) -> Any:
     if depth < 0:
         raise UnsupportedType("containers nested too deeply")
     if type(obj) is float:
-        return obj if obj == obj else _nan_node(obj)
+        return _float_node(obj)
     if obj is None or type(obj) in (bool, int, str):
         return obj
     leaf = describe_leaf(obj)
@@ -441,15 +446,15 @@ def _check_tree(node: Any, specs: tuple[LeafSpec, ...], used: list[bool], depth:
     elif tag == "dict":
         if not isinstance(body, list):
             raise ProtocolError("dict node is not a list of pairs")
-        keys: set[Any] = set()
         for pair in body:
             if not (isinstance(pair, list) and len(pair) == 2 and _is_dict_key(pair[0])):
                 raise ProtocolError("dict entry is not a [key, value] pair with a str, int, "
                                     "bool, null or finite float key")
-            keys.add(pair[0])
-            _check_tree(pair[1], specs, used, depth - 1)
-        if len(keys) != len(body):  # all but one value of a repeated key would vanish
+        _refuse_colliding_hashes(pair[0] for pair in body)
+        if len({pair[0] for pair in body}) != len(body):  # all but one value would vanish
             raise ProtocolError("dict node repeats a key (1, 1.0 and true are one key)")
+        for pair in body:
+            _check_tree(pair[1], specs, used, depth - 1)
     elif tag == "set":
         _check_set(tag, body, depth)
     elif tag in _HASHABLE_TAGS:
@@ -471,6 +476,21 @@ def _check_set(tag: str, body: Any, depth: int) -> None:
         raise ProtocolError(f"{tag} node is not a list")
     for item in body:
         _check_hashable(item, depth - 1)
+    # Checked, so building the items (a complex, an inner frozenset) is cheap and safe.
+    _refuse_colliding_hashes(build_value(item, []) for item in body)
+
+
+# Keys (or set items) with one hash at most. Strings hash randomly, but ints, floats and
+# complex numbers that differ by multiples of 2**61 - 1 share a hash on purpose: a peer
+# sending thousands of them would make every dict or set built of them quadratic.
+MAX_EQUAL_HASHES = 8
+
+
+def _refuse_colliding_hashes(keys: Any) -> None:
+    counts = Counter(hash(key) for key in keys if not isinstance(key, str))
+    if counts and max(counts.values()) > MAX_EQUAL_HASHES:
+        raise ProtocolError(f"more than {MAX_EQUAL_HASHES} keys or set items share one hash "
+                            "(a peer slowing the receiver down)")
 
 
 def _check_hashable(node: Any, depth: int) -> None:
@@ -577,6 +597,28 @@ def _compressed_parts_fit(layout: SparseLayout, size: tuple[int, ...], compresse
     dim = layout.compressed_dim
     return (matrix[0] % block[0] == 0 and matrix[1] % block[1] == 0
             and compressed.shape[-1] == matrix[dim] // block[dim] + 1)
+
+
+def check_received(tree: Any, arrays: list[Any]) -> None:
+    """What only the received bytes can show: that each sparse tensor's indices fit its size.
+
+    Raises :class:`ProtocolError`; the receiver refuses the frame rather than
+    store a value the REPL could not build.
+    """
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        ((tag, body),) = node.items()
+        if tag == "sparse":
+            layout = body["layout"]
+            parts = {name: arrays[body[name]["leaf"]] for name in SPARSE_LAYOUTS[layout].parts}
+            check_sparse_indices(SparseParts(layout, body["size"], parts, body.get("coalesced")))
+        elif tag in ("list", "tuple"):
+            stack.extend(body)
+        elif tag == "dict":
+            stack.extend(item for _, item in body)
 
 
 class ReceivedValue:

@@ -10,6 +10,25 @@ from __future__ import annotations
 import logging
 import os
 
+
+def _say_not_built(exc: ImportError) -> None:
+    """Warn, once at import where it can be seen, that the compiled core is missing, and why.
+
+    Most likely a source checkout on the path that was never built (Python
+    started in the repository's folder).
+    """
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkout = os.path.dirname(package)
+    if os.path.exists(os.path.join(checkout, "pyproject.toml")):
+        remedy = (f"build it with `python -m pip install -e {checkout}`, or start Python "
+                  "outside that folder to use the installed thing")
+    else:
+        remedy = "reinstall thing (`python -m pip install --force-reinstall thing`)"
+    logging.getLogger("thing").warning(
+        "thing's compiled core is not built (%s), so thing runs on its slower pure-Python "
+        "twin. Imported from %s: %s.", exc, package, remedy)
+
+
 if os.environ.get("THING_PUREPYTHON", "") not in ("", "0"):
     from .fallback import PrivateMapping, copy_into, recv_buffers, send_buffers
 
@@ -23,13 +42,6 @@ else:
         from .fallback import PrivateMapping, copy_into, recv_buffers, send_buffers
 
         BACKEND = "python"
-        # Said once, at import, where it can be seen: most likely a source checkout on the
-        # path that was never built (python started in the repository's folder).
-        logging.getLogger("thing").warning(
-            "thing's compiled core is not built (%s), so thing runs on its slower pure-Python "
-            "twin. Imported from %s: build it with `python -m pip install -e %s`, or start "
-            "Python outside that folder to use the installed thing.",
-            exc, os.path.dirname(os.path.dirname(__file__)),
-            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        _say_not_built(exc)
 
 __all__ = ["BACKEND", "PrivateMapping", "copy_into", "recv_buffers", "send_buffers"]
