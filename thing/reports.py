@@ -376,30 +376,35 @@ def _several(items: Any, most: int = 2) -> str:
     return ",".join(distinct) if len(distinct) <= most else f"{len(distinct)} kinds"
 
 
-def scalar_text(value: Any) -> str | None:
-    """The value itself when it is a single number (or a short string), else None."""
-    if value is None or isinstance(value, (bool, int, float, complex)):
-        return number(value)
-    if isinstance(value, str):
-        return repr(value) if len(value) <= 40 else repr(value[:37]) + "..."
+_NOT_SINGLE = object()
+
+
+def _single(value: Any) -> Any:
+    """The Python value of a single number or string (a 0-d array's item), else _NOT_SINGLE."""
+    if value is None or isinstance(value, (bool, int, float, complex, str)):
+        return value
     if isinstance(value, np.generic) or getattr(value, "ndim", None) == 0:
         try:
-            return number(value.item())
+            return value.item()
         except (TypeError, ValueError, RuntimeError):
-            return None
-    return None
+            return _NOT_SINGLE
+    return _NOT_SINGLE
+
+
+def scalar_text(value: Any) -> str | None:
+    """The value itself, shortened, when it is a single number or string; else None."""
+    single = _single(value)
+    if single is _NOT_SINGLE:
+        return None
+    if isinstance(single, str):
+        return repr(single) if len(single) <= 40 else repr(single[:37]) + "..."
+    return number(single)
 
 
 def exact_text(value: Any) -> str | None:
     """A single value in full, as Python writes it (``0.1234567891``), else None."""
-    if value is None or isinstance(value, (bool, int, float, complex, str)):
-        return repr(value)
-    if isinstance(value, np.generic) or getattr(value, "ndim", None) == 0:
-        try:
-            return repr(value.item())
-        except (TypeError, ValueError, RuntimeError):
-            return None
-    return None
+    single = _single(value)
+    return None if single is _NOT_SINGLE else repr(single)
 
 
 def number(x: Any) -> str:
