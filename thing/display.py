@@ -219,6 +219,11 @@ def show(report: Report) -> None:
         print(report.text(), flush=True)
 
 
+def say(line: str) -> None:
+    """Print one line for the REPL's user now (flushed: live views print as things arrive)."""
+    print(line, flush=True)
+
+
 def in_notebook() -> bool:
     """True inside a Jupyter kernel (where output is displayed, not written to a terminal)."""
     ipython = sys.modules.get("IPython")

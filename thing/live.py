@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .display import Column, Report, Table, elide, in_notebook, terminal_width
+from .display import Column, Report, Table, elide, in_notebook, say, terminal_width
 from .reports import bytes_text, clock, flag, rank_text, row_kind, sender_text
 from .store import Capture, HistoryStore
 
@@ -52,8 +52,8 @@ def watch(store: HistoryStore, info: Callable[[], ServerInfo], on: bool = True,
     if not on:
         return
     where = info()
-    print(f"Watching arrivals at {where.host}:{where.port}; press Ctrl+C to stop "
-          "(the server keeps running).", flush=True)
+    say(f"Watching arrivals at {where.host}:{where.port}; press Ctrl+C to stop "
+        "(the server keeps running).")
     try:
         if _terminal_can_redraw():
             _watch_in_terminal(store, info, rows)
@@ -62,8 +62,8 @@ def watch(store: HistoryStore, info: Callable[[], ServerInfo], on: bool = True,
     except KeyboardInterrupt:
         pass
     kept = len(store)
-    print(f"Stopped watching; the server is still running at {where.host}:{where.port} with "
-          f"{kept} capture{'' if kept == 1 else 's'} kept.", flush=True)
+    say(f"Stopped watching; the server is still running at {where.host}:{where.port} with "
+        f"{kept} capture{'' if kept == 1 else 's'} kept.")
 
 
 def view(store: HistoryStore, info: ServerInfo, rows: int, width: int | None = None) -> Report:
@@ -167,9 +167,9 @@ def _watch_as_lines(store: HistoryStore) -> None:
         received = store.received
         fresh = [c for c in reversed(store.recent(min(received - seen, 100))) if c.id >= seen]
         if received - seen > len(fresh):
-            print(f"... {received - seen - len(fresh)} more arrived", flush=True)
+            say(f"... {received - seen - len(fresh)} more arrived")
         for capture in fresh:
-            print("  ".join(cell for cell in _arrival_row(capture) if cell), flush=True)
+            say("  ".join(cell for cell in _arrival_row(capture) if cell))
         seen = received
 
 
