@@ -29,8 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+# _common puts this checkout first on sys.path (thing, and the tests this reuses).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import print_machine  # noqa: E402

@@ -106,6 +106,15 @@ def poll(condition: Callable[[], Any], timeout: float = 15, what: str = "conditi
         time.sleep(0.01)
 
 
+def rss(pid: int) -> int:
+    """A process's resident set size now, in bytes (Linux)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
 def open_fds() -> int:
     """File descriptors this process holds."""
     return len(os.listdir("/proc/self/fd"))

@@ -15,7 +15,7 @@ import pytest
 
 from thing import wire
 
-from .conftest import poll, run_script, start_script
+from .conftest import poll, rss, run_script, start_script
 
 CAP = 64 << 20
 # What a server holds beyond its cap for its own use: threads, buffers, Python's own.
@@ -32,14 +32,6 @@ for line in sys.stdin:
     print(json.dumps({"held": store.held_bytes, "kept": len(store), "evicted": store.evicted,
                       "received": store.received}), flush=True)
 """
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
 
 
 class Repl:

@@ -27,7 +27,7 @@ import thing
 from thing import wire
 from thing.store import HistoryStore
 
-from .conftest import expect_line, free_port, open_fds, poll, start_script
+from .conftest import expect_line, free_port, open_fds, poll, rss, start_script
 from .test_security import Relay, frame_bytes, raw_peer
 
 # -- arrays a receiver can check on its own -------------------------------------------------
@@ -275,14 +275,6 @@ print("sent", client.sent, sum(sent_bytes), flush=True)
 """
 
 
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
-
-
 def soak(cap: int, duration: float, processes: list, **env: str) -> dict[str, float]:
     """Flood a server capped at ``cap`` bytes from 4 processes x 2 threads; sample its RSS."""
     # A private runtime directory: a server killed on failure leaves its Unix socket there.
@@ -298,13 +290,13 @@ def _soak(cap: int, duration: float, processes: list, runtime: str, **env: str) 
                     **env)
     processes.append(server)
     port, pid = map(int, expect_line(server, "").split())
-    baseline = _rss(pid)
+    baseline = rss(pid)
     senders = [_start(SOAK_SENDER, port, DURATION=str(duration), THING_TRANSPORT="tcp", **env)
                for _ in range(4)]
     processes.extend(senders)
     peak = baseline
     while any(sender.poll() is None for sender in senders):
-        peak = max(peak, _rss(pid))
+        peak = max(peak, rss(pid))
         time.sleep(0.02)
     sent = sent_bytes = 0
     for sender in senders:
