@@ -103,8 +103,8 @@ def frame_size() -> int:
     from thing import wire
 
     payload = wire.take_apart(VALUE)
-    meta = {"caught_at": time.time(), "site": "train.py:42 (step)", "rank": 0, "world_size": 2}
-    header = wire.encode_header(123456, "s", payload, meta)
+    meta = {"site": "train.py:42 (step)", "rank": 0, "world_size": 2}
+    header = wire.encode_header("s", payload, meta)
     return wire.FRAME_PREFIX.size + len(header) + VALUE.nbytes + wire.FRAME_TRAILER.size
 
 

@@ -65,7 +65,7 @@ def test_a_malformed_frame_closes_only_after_the_acks_of_stored_ones() -> None:
         status, _ = wire.recv_handshake(peer)
         assert status == wire.HANDSHAKE_OK
         frames = b"".join(frame_bytes(np.arange(i + 1), f"good-{i}", seq=i) for i in range(5))
-        peer.sendall(frames + b"XX" + bytes(14))  # then a prefix that is no prefix
+        peer.sendall(frames + b"XX" + bytes(wire.FRAME_PREFIX.size - 2))  # a prefix that is none
         reply = b""
         while chunk := peer.recv(65536):
             reply += chunk

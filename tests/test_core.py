@@ -397,9 +397,9 @@ def test_normal_install_uses_the_compiled_core() -> None:
 
 def test_purepython_environment_variable_selects_the_twin() -> None:
     code = """
-        import thing, thing._core, thing.channel
+        import thing, thing._core, thing.stream
         print(thing.BACKEND, thing._core.send_buffers.__module__,
-              thing.channel.recv_buffers.__module__)
+              thing.stream.recv_some.__module__)
     """
     python = "python thing._core.fallback thing._core.fallback"
     assert run_script(code, THING_PUREPYTHON="1").split() == python.split()

@@ -158,8 +158,8 @@ while length:
     length -= len(sock.recv(length))
 array = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
 payload = wire.take_apart({"half": array})
-header = wire.encode_header(0, "half", payload, {})
-prefix = wire.encode_prefix(header, payload.nbytes)
+header = wire.encode_header("half", payload, {})
+prefix = wire.encode_prefix(header, payload.nbytes, 0, 0.0)
 if os.environ["STOP_IN"] == "header":
     sock.sendall(prefix + header[: len(header) // 2])
 else:
@@ -241,7 +241,7 @@ def test_garbage_after_a_valid_handshake_is_dropped(server: thing.Server) -> Non
         reply = peer.recv(wire.HANDSHAKE.size, socket.MSG_WAITALL)
         assert wire.decode_handshake_prefix(reply)[0] == wire.HANDSHAKE_OK
         peer.recv(4096)  # the rest of the server's handshake
-        peer.sendall(b"not a frame prefix at all")
+        peer.sendall(b"not a frame prefix at all, nor anything like one")
         poll(lambda: all(c.hostname != "h" for c in server.clients()), what="the drop")
         answer = b""
         try:

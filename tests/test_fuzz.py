@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import random
 import socket
 import sys
@@ -86,15 +87,15 @@ def mutate_bytes(data: bytes, rng: random.Random, donors: list[bytes]) -> bytes:
             at = rng.randrange(len(data) + 1)
             data[at:at] = piece
         elif how == 3 and len(data) >= wire.FRAME_PREFIX.size:  # change a length field
-            tag, kind, header_len, payload_len = wire.FRAME_PREFIX.unpack(
+            tag, kind, header_len, payload_len, seq, caught_at = wire.FRAME_PREFIX.unpack(
                 bytes(data[: wire.FRAME_PREFIX.size]))
             value = rng.choice(BOUNDARY_INTS + [rng.randrange(2**20)])
             if rng.random() < 0.5:
                 header_len = value % 2**32
             else:
                 payload_len = value % 2**64
-            data[: wire.FRAME_PREFIX.size] = wire.FRAME_PREFIX.pack(tag, kind, header_len,
-                                                                     payload_len)
+            data[: wire.FRAME_PREFIX.size] = wire.FRAME_PREFIX.pack(
+                tag, kind, header_len, payload_len, seq, caught_at)
         elif how == 4 and data:  # repeat a slice
             start = rng.randrange(len(data))
             data[start:start] = data[start : start + rng.randint(1, 32)]
@@ -144,7 +145,7 @@ def header_frame(document: Any, payload: bytes = b"", trailer: bytes | None = No
     header = raw_header if raw_header is not None else json.dumps(document).encode()
     prefix = wire.FRAME_PREFIX.pack(
         wire.FRAME_TAG, kind, len(header) if header_len is None else header_len,
-        len(payload) if payload_len is None else payload_len)
+        len(payload) if payload_len is None else payload_len, 0, 0.0)
     return prefix + header + payload + (wire.encode_trailer(False) if trailer is None else trailer)
 
 
@@ -161,7 +162,7 @@ def fuzzed_frame(rng: random.Random) -> bytes:
         mutated = json.dumps(mutate_header(SEED_HEADERS[index], rng)).encode()
         payload_len = len(rest) - wire.FRAME_TRAILER.size
         return wire.FRAME_PREFIX.pack(wire.FRAME_TAG, wire.KIND_CAPTURE, len(mutated),
-                                      payload_len) + mutated + rest
+                                      payload_len, index, 0.0) + mutated + rest
     return rng.randbytes(rng.randrange(1, 200))
 
 
@@ -239,16 +240,18 @@ def test_random_bytes_raise_only_protocol_errors(short: bytes, long: bytes) -> N
 
 @FUZZ
 @given(st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**16 - 1),
-       st.binary(min_size=2, max_size=2))
+       st.binary(min_size=2, max_size=2), st.integers(0, 2**64 - 1), st.floats())
 def test_random_prefixes_are_checked_against_the_limits(header_len: int, payload_len: int,
-                                                        kind: int, tag: bytes) -> None:
-    prefix = wire.FRAME_PREFIX.pack(tag, kind, header_len, payload_len)
+                                                        kind: int, tag: bytes, seq: int,
+                                                        caught_at: float) -> None:
+    prefix = wire.FRAME_PREFIX.pack(tag, kind, header_len, payload_len, seq, caught_at)
     try:
         decoded = wire.decode_prefix(prefix)
-        wire.check_frame_size(*decoded[1:], LIMITS)
+        wire.check_frame_size(decoded.header_len, decoded.payload_len, LIMITS)
     except ProtocolError:
         return
-    assert decoded[-2:] == (header_len, payload_len)
+    assert decoded[1:4] == (header_len, payload_len, seq)
+    assert decoded.caught_at is None or math.isfinite(decoded.caught_at)
     assert header_len <= LIMITS.max_header_bytes
     assert header_len + payload_len <= LIMITS.max_capture_bytes
 
@@ -279,7 +282,6 @@ LEAF_ENTRIES = st.lists(
 
 @FUZZ
 @given(st.fixed_dictionaries({
-    "seq": st.integers(-5, 2**65) | JSON_VALUES,
     "name": st.none() | st.text(max_size=30) | JSON_VALUES,
     "value": JSON_VALUES,
     "leaves": st.lists(LEAF_ENTRIES | st.just(["numpy", "float32", [2, 3], False]), max_size=4),
@@ -296,7 +298,7 @@ def test_structurally_random_headers_raise_only_protocol_errors(document: dict,
 @given(st.lists(st.integers(1, 2**62), min_size=1, max_size=8),
        st.sampled_from(sorted(["float32", "uint8", "complex128", "bool"])))
 def test_what_the_decoder_accepts_can_be_allocated(shape: list[int], dtype: str) -> None:
-    raw = json.dumps({"seq": 0, "name": "n", "value": {"leaf": 0},
+    raw = json.dumps({"name": "n", "value": {"leaf": 0},
                       "leaves": [["numpy", dtype, shape, False]], "meta": {}}).encode()
     nbytes = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
     assume(nbytes < 2**64)
@@ -308,7 +310,7 @@ def test_what_the_decoder_accepts_can_be_allocated(shape: list[int], dtype: str)
 
 
 def test_a_zero_sized_shape_with_huge_extents_is_refused_or_allocated() -> None:
-    raw = json.dumps({"seq": 0, "name": "n", "value": {"leaf": 0},
+    raw = json.dumps({"name": "n", "value": {"leaf": 0},
                       "leaves": [["numpy", "float32", [0, 2**62], False]], "meta": {}}).encode()
     try:
         header = wire.decode_header(raw, 0, LIMITS)
@@ -321,7 +323,7 @@ def test_a_zero_sized_shape_with_huge_extents_is_refused_or_allocated() -> None:
 
 
 def _document(**changes: Any) -> dict:
-    document = {"seq": 1, "name": "nasty", "value": {"leaf": 0},
+    document = {"name": "nasty", "value": {"leaf": 0},
                 "leaves": [["numpy", "float32", [2, 3], False]], "meta": {}}
     document.update(changes)
     return document
@@ -366,12 +368,12 @@ def nasty_frames() -> dict[str, bytes]:
         "header-nan-in-shape": header_frame(None, payload24, raw_header=json.dumps(
             _document(leaves=[["numpy", "float32", [2, 3], False]])).encode().replace(
                 b"[2, 3]", b"[NaN, 3]")),
-        "header-infinity-seq": header_frame(None, payload24, raw_header=json.dumps(
-            _document()).encode().replace(b'"seq": 1', b'"seq": Infinity')),
-        "header-huge-int-seq": header_frame(None, payload24, raw_header=json.dumps(
-            _document()).encode().replace(b'"seq": 1', b'"seq": ' + b"9" * 5000)),
+        "header-infinity-name": header_frame(None, payload24, raw_header=json.dumps(
+            _document()).encode().replace(b'"name": "nasty"', b'"name": Infinity')),
+        "header-huge-int-in-meta": header_frame(None, payload24, raw_header=json.dumps(
+            _document()).encode().replace(b'"meta": {}', b'"meta": {"x": ' + b"9" * 5000 + b"}")),
         "header-json-nested-100k": header_frame(None, payload24,
-                                                raw_header=b'{"seq": ' + b"[" * 20_000),
+                                                raw_header=b'{"name": ' + b"[" * 20_000),
         "shape-negative": header_frame(_with_leaves(["numpy", "float32", [-2, -3], False]),
                                        payload24),
         "shape-bool-extents": header_frame(_with_leaves(["numpy", "float32", [True, 6], False]),

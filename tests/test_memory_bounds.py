@@ -87,8 +87,8 @@ def stalled_header_claims(repl: Repl, count: int = 64) -> list[socket.socket]:
     peers = []
     for _ in range(count):
         peer = repl.peer()
-        peer.sendall(wire.FRAME_PREFIX.pack(wire.FRAME_TAG, wire.KIND_CAPTURE, 1 << 20, 0)
-                     + b'{"seq": 0,')
+        peer.sendall(wire.FRAME_PREFIX.pack(wire.FRAME_TAG, wire.KIND_CAPTURE, 1 << 20, 0, 0, 0.0)
+                     + b'{"name": 0,')
         peers.append(peer)
     return peers
 
@@ -98,12 +98,12 @@ def tiny_value_headers(repl: Repl, elements: int = 300_000,
     """Connections that each send a header of ``elements`` tiny values, then withhold the
     frame's end."""
     body = ",".join(["0"] * elements)
-    header = ('{"seq":0,"name":"tiny","value":{"list":[' + body + ']},"leaves":[],"meta":{}}'
+    header = ('{"name":"tiny","value":{"list":[' + body + ']},"leaves":[],"meta":{}}'
               ).encode()
     peers = []
     for _ in range(count):
         peer = repl.peer()
-        peer.sendall(wire.encode_prefix(header, 0) + header)
+        peer.sendall(wire.encode_prefix(header, 0, 0, 0.0) + header)
         peers.append(peer)
     return peers
 
@@ -125,9 +125,9 @@ def escaped_names(repl: Repl) -> list[socket.socket]:
 def near_cap_claim(repl: Repl, payload: int = 60 << 20) -> list[socket.socket]:
     """One frame claiming ``payload`` bytes, 1 KB of them sent."""
     peer = repl.peer()
-    header = json.dumps({"seq": 0, "name": "claim", "value": {"leaf": 0},
+    header = json.dumps({"name": "claim", "value": {"leaf": 0},
                          "leaves": [["numpy", "uint8", [payload], False]], "meta": {}}).encode()
-    peer.sendall(wire.encode_prefix(header, payload) + header + bytes(1000))
+    peer.sendall(wire.encode_prefix(header, payload, 0, 0.0) + header + bytes(1000))
     return [peer]
 
 

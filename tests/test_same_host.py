@@ -539,8 +539,9 @@ def sealed_memfd(data: bytes, size: int | None = None, seals: int | None = None)
 def frame_message(array: np.ndarray, kind: int, seq: int = 0) -> bytes:
     """Prefix, header and trailer of a frame carrying ``array``; no payload."""
     payload = wire.take_apart(array)
-    header = wire.encode_header(seq, "raw", payload, {})
-    return wire.encode_prefix(header, payload.nbytes, kind) + header + wire.encode_trailer(False)
+    header = wire.encode_header("raw", payload, {})
+    return (wire.encode_prefix(header, payload.nbytes, seq, 0.0, kind) + header
+            + wire.encode_trailer(False))
 
 
 def raw_peer(server: thing.Server, tcp: bool = False) -> socket.socket:
@@ -620,13 +621,13 @@ BAD_DESCRIPTORS: dict[str, tuple[int, Callable[[], list[int]], str]] = {
     "a-pipe": (wire.KIND_SHARED_MEMORY, _pipe_reader, "does not match the header"),
     "two-memfds": (wire.KIND_SHARED_MEMORY,
                    lambda: [sealed_memfd(ARRAY.tobytes()), sealed_memfd(ARRAY.tobytes())],
-                   "with 2 descriptors"),
+                   "more descriptors than it carries"),
     "six-memfds": (wire.KIND_SHARED_MEMORY,
                    lambda: [sealed_memfd(ARRAY.tobytes()) for _ in range(6)],
                    "more descriptors than a frame carries"),
-    "no-memfd": (wire.KIND_SHARED_MEMORY, lambda: [], "with 0 descriptors"),
+    "no-memfd": (wire.KIND_SHARED_MEMORY, lambda: [], "without its descriptor"),
     "memfd-with-an-inline-frame": (wire.KIND_CAPTURE, lambda: [sealed_memfd(ARRAY.tobytes())],
-                                   "with 1 descriptors"),
+                                   "more descriptors than it carries"),
 }
 
 
@@ -636,7 +637,7 @@ def test_bad_descriptors_are_refused_and_none_is_leaked(
 ) -> None:
     tcp = case == "shared-memory-frame-over-tcp"
     kind, make_fds, reason = BAD_DESCRIPTORS.get(
-        case, (wire.KIND_SHARED_MEMORY, lambda: [], "with 0 descriptors")
+        case, (wire.KIND_SHARED_MEMORY, lambda: [], "without its descriptor")
     )
     gc.collect()
     baseline_fds, baseline_maps = open_fds(), memfd_mappings()

@@ -46,9 +46,10 @@ def frame_bytes(value: Any, name: str | None = "x", seq: int = 0,
                 meta: dict | None = None) -> bytes:
     """One complete, valid capture frame as a client would send it."""
     payload = wire.take_apart(value)
-    header = wire.encode_header(seq, name, payload, meta or {})
+    header = wire.encode_header(name, payload, meta or {})
     data = b"".join(bytes(leaf_bytes(leaf)) for leaf in payload.leaves)
-    return wire.encode_prefix(header, payload.nbytes) + header + data + wire.encode_trailer(False)
+    return (wire.encode_prefix(header, payload.nbytes, seq, 0.0) + header + data
+            + wire.encode_trailer(False))
 
 
 def recv_handshake(sock: socket.socket) -> tuple[int, dict]:
@@ -676,11 +677,11 @@ server = thing.Server(port=0).start()
 peer = socket.create_connection(("127.0.0.1", server.port), timeout=10)
 peer.sendall(wire.encode_handshake({"hostname": evil if field == "hostname" else "h", "pid": 1}))
 payload = wire.take_apart(evil if field == "value" else np.arange(3))
-header = wire.encode_header(0, evil if field == "name" else "n", payload,
+header = wire.encode_header(evil if field == "name" else "n", payload,
                             {"site": evil} if field == "site" else {})
 data = b"".join(bytes(memoryview(leaf.source).cast("B")) for leaf in payload.leaves)
 try:
-    peer.sendall(wire.encode_prefix(header, payload.nbytes) + header + data
+    peer.sendall(wire.encode_prefix(header, payload.nbytes, 0, 0.0) + header + data
                  + wire.encode_trailer(False))
     peer.recv(4096, socket.MSG_WAITALL)  # the handshake and the ack, or the end
 except OSError:

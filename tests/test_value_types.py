@@ -43,9 +43,8 @@ def _nan(bits: int) -> float:
 def _receive(value: Any) -> wire.ReceivedValue:
     """What a client sends for ``value`` and a server's connection thread makes of it."""
     payload = wire.take_apart(value)
-    header = wire.encode_header(3, "value", payload, {})
-    _, header_len, payload_len = wire.decode_prefix(wire.encode_prefix(header, payload.nbytes))
-    decoded = wire.decode_header(header, payload_len, LIMITS)
+    header = wire.encode_header("value", payload, {})
+    decoded = wire.decode_header(header, payload.nbytes, LIMITS)
     buffers = ReceiveBuffers(max_bytes=64 << 20)
     received = []
     for spec, leaf in zip(decoded.leaves, payload.leaves):
@@ -426,7 +425,7 @@ def _bsr_node(**changes: Any) -> dict:
 def _header(value: Any, leaves: list | None = None) -> tuple[bytes, int]:
     """A capture header around ``value``, and the payload length its leaves describe."""
     leaves = leaves or []
-    document = {"seq": 1, "name": "x", "value": value, "leaves": leaves, "meta": {}}
+    document = {"name": "x", "value": value, "leaves": leaves, "meta": {}}
     nbytes = sum(LeafSpec(f, d, tuple(s), c).nbytes for f, d, s, c in leaves)
     return json.dumps(document).encode(), nbytes
 
@@ -557,7 +556,7 @@ def test_the_valid_nodes_the_hostile_ones_are_made_from_are_accepted() -> None:
 def test_hostile_value_nodes_are_refused_by_the_servers_reader() -> None:
     for raw, payload_len in (BAD_NODES["sparse leaf missing"], BAD_NODES["set holding a list"],
                              BAD_NODES["dict keys 1 and true"]):
-        frame = (wire.encode_prefix(raw, payload_len) + raw + bytes(payload_len)
+        frame = (wire.encode_prefix(raw, payload_len, 0, 0.0) + raw + bytes(payload_len)
                  + wire.encode_trailer(False))
         with pytest.raises(ProtocolError):
             read_like_the_server(frame)
@@ -631,7 +630,8 @@ def test_invalid_sparse_indices_through_the_servers_reader_fail_only_when_built(
     leaves = [["torch", part.dtype.name, list(part.shape), False] for part in parts]
     raw, payload_len = _header(value, leaves)
     payload = b"".join(part.tobytes() for part in parts)
-    frame = wire.encode_prefix(raw, payload_len) + raw + payload + wire.encode_trailer(False)
+    frame = (wire.encode_prefix(raw, payload_len, 0, 0.0) + raw + payload
+             + wire.encode_trailer(False))
     with pytest.raises(ProtocolError, match="col_indices"):
         read_like_the_server(frame)  # stored, then built as the REPL would
 
@@ -643,7 +643,7 @@ def test_invalid_sparse_indices_through_the_servers_reader_fail_only_when_built(
      {"s": {1, 2j, frozenset({"a"})}, 2: torch.Size([3]), None: complex(_nan(NAN_BITS[1]), 0)}]))
 def test_mutated_value_nodes_raise_only_protocol_errors(rng: Any, value: Any) -> None:
     received = _receive(value)
-    raw = json.dumps(mutate_header({"seq": 1, "name": "m", "value": received.tree, "meta": {},
+    raw = json.dumps(mutate_header({"name": "m", "value": received.tree, "meta": {},
                                     "leaves": [[*spec[:2], list(spec[2]), spec[3]]
                                                for spec in received.specs]}, rng)).encode()
     try:
@@ -680,7 +680,7 @@ def test_non_str_keys_and_sets_round_trip_through_the_servers_reader() -> None:
 def test_keys_that_share_one_hash_are_refused_at_once(node) -> None:
     # Ints that differ by multiples of 2**61 - 1 share a hash: a set of thousands of them
     # would take the receiver seconds of the GIL to build, on every connection's thread.
-    raw = json.dumps({"seq": 1, "name": "x", "value": node, "leaves": [], "meta": {}}).encode()
+    raw = json.dumps({"name": "x", "value": node, "leaves": [], "meta": {}}).encode()
     started = time.perf_counter()
     with pytest.raises(ProtocolError, match="share one hash"):
         wire.decode_header(raw, 0, wire.Limits())
@@ -689,5 +689,5 @@ def test_keys_that_share_one_hash_are_refused_at_once(node) -> None:
 
 def test_sets_and_int_keyed_dicts_of_ordinary_values_are_fine() -> None:
     node = {"set": list(range(5000))}
-    raw = json.dumps({"seq": 1, "name": "x", "value": node, "leaves": [], "meta": {}}).encode()
+    raw = json.dumps({"name": "x", "value": node, "leaves": [], "meta": {}}).encode()
     assert wire.build_value(wire.decode_header(raw, 0, wire.Limits()).tree, []) == set(range(5000))

@@ -30,13 +30,14 @@ LIMITS = wire.Limits(max_capture_bytes=1 << 30, max_header_bytes=1 << 20)
 def _send_and_receive(value: Any, limits: wire.Limits = LIMITS) -> Any:
     """Everything a client and a server do to a value, minus the socket."""
     payload = wire.take_apart(value)
-    header = wire.encode_header(7, "name", payload, {"caught_at": 1.5})
-    prefix = wire.encode_prefix(header, payload.nbytes)
-    _, header_len, payload_len = wire.decode_prefix(prefix)
+    header = wire.encode_header("name", payload, {"site": "here"})
+    prefix = wire.decode_prefix(wire.encode_prefix(header, payload.nbytes, 7, 1.5))
+    header_len, payload_len = prefix.header_len, prefix.payload_len
     wire.check_frame_size(header_len, payload_len, limits)
     assert (header_len, payload_len) == (len(header), payload.nbytes)
+    assert (prefix.seq, prefix.caught_at) == (7, 1.5)
     decoded = wire.decode_header(header, payload_len, limits)
-    assert decoded.seq == 7 and decoded.name == "name" and decoded.meta == {"caught_at": 1.5}
+    assert decoded.name == "name" and decoded.meta == {"site": "here"}
     received = []
     buffers = ReceiveBuffers(max_bytes=64 << 20)
     for spec, leaf in zip(decoded.leaves, payload.leaves):
@@ -245,7 +246,7 @@ GOOD_LEAF = ["numpy", "float32", [2, 3], False]
 
 
 def _header(**changes: Any) -> bytes:
-    document = {"seq": 1, "name": "x", "value": {"leaf": 0}, "leaves": [GOOD_LEAF], "meta": {}}
+    document = {"name": "x", "value": {"leaf": 0}, "leaves": [GOOD_LEAF], "meta": {}}
     document.update(changes)
     return json.dumps(document).encode()
 
@@ -257,18 +258,14 @@ def test_the_good_header_used_below_is_accepted() -> None:
 
 BAD_HEADERS = {
     "not json": b"{nope",
-    "not utf-8": b'{"seq": 1, "name": "\xff"}',
+    "not utf-8": b'{"name": "\xff"}',
     "truncated utf-8": _header()[:-3] + b"\xe2\x82",
     "empty": b"",
     "json list": b"[1, 2]",
     "json string": b'"header"',
-    "missing key": json.dumps({"seq": 1, "name": "x", "value": None, "leaves": []}).encode(),
+    "missing key": json.dumps({"name": "x", "value": None, "leaves": []}).encode(),
     "extra key": _header(extra=1),
-    "seq negative": _header(seq=-1),
-    "seq too big": _header(seq=1 << 64),
-    "seq float": _header(seq=1.0),
-    "seq bool": _header(seq=True),
-    "seq string": _header(seq="1"),
+    "seq, which travels in the prefix": _header(seq=1),
     "name int": _header(name=5),
     "name too long": _header(name="n" * 5000),
     "meta list": _header(meta=[]),
@@ -380,8 +377,10 @@ def test_leaf_count_and_depth_limits() -> None:
 
 def test_prefix_checks() -> None:
     small = wire.Limits(max_capture_bytes=1000, max_header_bytes=100)
-    good = wire.encode_prefix(b"h" * 100, 900)
-    assert wire.decode_prefix(good) == (wire.KIND_CAPTURE, 100, 900)
+    good = wire.encode_prefix(b"h" * 100, 900, 5, 2.5)
+    assert wire.decode_prefix(good) == (wire.KIND_CAPTURE, 100, 900, 5, 2.5)
+    # A sender's clock that gives no finite time is no time at all.
+    assert wire.decode_prefix(wire.encode_prefix(b"h", 1, 0, math.nan)).caught_at is None
     wire.check_frame_size(100, 900, small)
     with pytest.raises(LimitExceeded, match="header"):
         wire.check_frame_size(101, 0, small)
@@ -390,9 +389,9 @@ def test_prefix_checks() -> None:
     with pytest.raises(LimitExceeded):
         wire.check_frame_size(10, 2**64 - 1, small)
     for bad in (
-        wire.FRAME_PREFIX.pack(b"XX", wire.KIND_CAPTURE, 10, 10),
-        wire.FRAME_PREFIX.pack(wire.FRAME_TAG, 3, 10, 10),
-        wire.FRAME_PREFIX.pack(wire.FRAME_TAG, 0, 10, 10),
+        wire.FRAME_PREFIX.pack(b"XX", wire.KIND_CAPTURE, 10, 10, 0, 0.0),
+        wire.FRAME_PREFIX.pack(wire.FRAME_TAG, 3, 10, 10, 0, 0.0),
+        wire.FRAME_PREFIX.pack(wire.FRAME_TAG, 0, 10, 10, 0, 0.0),
         good[:-1],
         good + b"\x00",
         b"",

@@ -25,7 +25,7 @@ from collections import Counter, deque
 from typing import Any, NamedTuple
 
 from . import auth, config, shm, wire
-from ._core import recv_buffers, send_buffers
+from ._core import send_buffers
 from .arrays import leaf_bytes, torn
 from .errors import HandshakeError, ProtocolError
 from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle
@@ -39,6 +39,7 @@ from .sockets import (
     shutdown,
     unix_socket_path,
 )
+from .stream import StreamReader
 
 log = logging.getLogger("thing")
 
@@ -50,6 +51,9 @@ GATHER_SECONDS = 0.01
 BATCH = 64
 # Small frames sent in one vectored write at most: bounds what one sendmsg holds.
 COALESCE = 64
+# Headers of single arrays kept per connection, by name, layout, call site and rank: a
+# name caught every step is encoded once (see Channel._header).
+MAX_KEPT_HEADERS = 1024
 
 _TRANSPORT_NAMES = {
     "tcp": "TCP",
@@ -138,6 +142,7 @@ class Channel:
         self._sock: socket.socket | None = None
         self._notices = False  # whether the server takes notices of unsent captures
         self._told: set[tuple[str | None, str]] = set()  # notices sent on this connection
+        self._headers: dict[tuple[Any, ...], bytes] = {}  # see _header
         self._lost = False  # the reader saw the connection end; the sender must reconnect
         self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
         self._closed = False
@@ -424,7 +429,7 @@ class Channel:
                     seq = next(self._seq)
                     self._inflight[seq] = pending
                     batch.append((seq, pending))
-                undelivered = dict(self._room.undelivered)
+                undelivered = tuple(sorted(self._room.undelivered.items()))
             self._send_batch(sock, mac, batch, undelivered)
 
     def _gather(self) -> None:
@@ -447,7 +452,8 @@ class Channel:
             self._lock.wait(remaining)
 
     def _send_batch(self, sock: socket.socket, mac: auth.SessionMac | None,
-                    batch: list[tuple[int, Pending]], undelivered: dict[str, int]) -> None:
+                    batch: list[tuple[int, Pending]],
+                    undelivered: tuple[tuple[str, int], ...]) -> None:
         """Send frames in order: small finished ones together, one vectored write for up to
         COALESCE of them; one that is large, goes by shared memory, or whose end is known
         only once it is sent, by itself."""
@@ -484,23 +490,38 @@ class Channel:
                 flush()
         flush()
 
-    def _encode(self, seq: int, pending: Pending, undelivered: dict[str, int]
+    def _encode(self, seq: int, pending: Pending, undelivered: tuple[tuple[str, int], ...]
                 ) -> tuple[bytes, bytes, list[Any]] | None:
         """A frame's prefix, header and payload views; None (the capture failed) if a leaf
         cannot be read."""
         payload = pending.payload
         try:
             views = [leaf_bytes(leaf) for leaf in payload.leaves]
-            header = wire.encode_header(seq, pending.name, payload, _meta(pending, undelivered))
+            header = self._header(pending, undelivered)
         except Exception as exc:  # a leaf that cannot be read: fail this capture only
             self._finish(seq, None, f"not sent: could not read the data: {exc}", "failed")
             self._log_once(f"send:{pending.name}", logging.WARNING,
                            "thing could not send %r: %s", pending.name, exc)
             return None
-        return wire.encode_prefix(header, payload.nbytes), header, views
+        return wire.encode_prefix(header, payload.nbytes, seq, pending.caught_at), header, views
+
+    def _header(self, pending: Pending, undelivered: tuple[tuple[str, int], ...]) -> bytes:
+        """A capture's header: for a single array, the one encoded for the same name,
+        layout, call site and rank before (only the prefix changes from call to call)."""
+        payload = pending.payload
+        if payload.tree is not wire.SINGLE_LEAF or pending.unsent is not None:
+            return wire.encode_header(pending.name, payload, _meta(pending, undelivered))
+        key = (pending.name, payload.leaves[0].spec, pending.site, pending.rank, undelivered)
+        header = self._headers.get(key)
+        if header is None:
+            if len(self._headers) >= MAX_KEPT_HEADERS:
+                self._headers.clear()
+            header = wire.encode_header(pending.name, payload, _meta(pending, undelivered))
+            self._headers[key] = header
+        return header
 
     def _send(self, sock: socket.socket, mac: auth.SessionMac | None, seq: int, pending: Pending,
-              undelivered: dict[str, int]) -> None:
+              undelivered: tuple[tuple[str, int], ...]) -> None:
         """Send one frame by itself: a large one, or one read in place (its trailer says
         whether the data moved on while it was sent, which is known only once it was)."""
         payload = pending.payload
@@ -509,7 +530,7 @@ class Channel:
             return
         prefix, header, views = frame
         if self.transport == "shm" and payload.nbytes >= config.shm_threshold():
-            sent = self._send_shared(sock, mac, header, payload, views)
+            sent = self._send_shared(sock, mac, seq, pending, header, views)
         else:
             sent = False
         if not sent:
@@ -524,8 +545,8 @@ class Channel:
         # The bytes are in the kernel: drop our references so the arrays can be freed.
         payload.leaves.clear()
 
-    def _send_shared(self, sock: socket.socket, mac: auth.SessionMac | None, header: bytes,
-                     payload: wire.Payload, views: list) -> bool:
+    def _send_shared(self, sock: socket.socket, mac: auth.SessionMac | None, seq: int,
+                     pending: Pending, header: bytes, views: list) -> bool:
         """Hand the payload over in a sealed memfd; False (and nothing sent) if that fails."""
         try:
             fd = shm.export(views)
@@ -534,7 +555,9 @@ class Channel:
                            "shared memory unavailable (%s); sending inline", exc)
             return False
         try:
-            prefix = wire.encode_prefix(header, payload.nbytes, wire.KIND_SHARED_MEMORY)
+            payload = pending.payload
+            prefix = wire.encode_prefix(header, payload.nbytes, seq, pending.caught_at,
+                                        wire.KIND_SHARED_MEMORY)
             message = prefix + header + _trailer(mac, prefix, header, payload)
             sent = socket.send_fds(sock, [message], [fd])
             if sent < len(message):  # only a signal or a timeout splits a message this small
@@ -546,15 +569,15 @@ class Channel:
     # -- acknowledgement reader ----------------------------------------------------
 
     def _read_acks(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
-        prefix = bytearray(wire.ACK.size)
-        signature = bytearray(auth.MAC_BYTES)
+        # Acks of frames sent together arrive together: one receive takes them all.
+        stream = StreamReader(sock)
         try:
             while True:
-                recv_buffers(sock, [prefix])
-                status, length, seq, capture_id = wire.decode_ack(bytes(prefix))
-                message = bytearray(length)
-                recv_buffers(sock, [message] if mac is None else [message, signature])
-                if mac is not None and not mac.check(signature, prefix, message):
+                prefix = stream.read(wire.ACK.size)
+                status, length, seq, capture_id = wire.decode_ack(prefix)
+                message = stream.read(length)
+                if mac is not None and not mac.check(stream.read(auth.MAC_BYTES), prefix,
+                                                     message):
                     raise ProtocolError("an acknowledgement's signature does not match: it did "
                                         "not come from the server that proved the token")
                 with self._lock:
@@ -617,8 +640,8 @@ def _trailer(mac: auth.SessionMac | None, prefix: bytes, header: bytes,
     return trailer if mac is None else trailer + mac.sign(prefix, header, trailer)
 
 
-def _meta(pending: Pending, undelivered: dict[str, int]) -> dict[str, Any]:
-    meta: dict[str, Any] = {"caught_at": pending.caught_at}
+def _meta(pending: Pending, undelivered: tuple[tuple[str, int], ...]) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
     if pending.site is not None:
         site = pending.site
         meta["site"] = f"{site.file}:{site.line} ({site.function})"
@@ -626,7 +649,7 @@ def _meta(pending: Pending, undelivered: dict[str, int]) -> dict[str, Any]:
     if rank is not None:
         meta["rank"], meta["world_size"] = rank, world_size
     if undelivered:
-        meta["undelivered"] = undelivered
+        meta["undelivered"] = dict(undelivered)
     if pending.unsent is not None:
         meta["unsent"] = pending.unsent
     return meta

@@ -1,9 +1,10 @@
 """One client's connection, read on the server: the handshake, then frames, each answered once.
 
 This is the only code that reads a peer's bytes (``wire.py`` decodes what it
-reads), and the fuzz tests drive it through real sockets. It owns the
-socket's deadlines, the frame prefix (with any descriptors), discarding what
-it refuses, and the batch of acknowledgements still to be sent.
+reads, through a :class:`~thing.stream.StreamReader`), and the fuzz tests
+drive it through real sockets. It owns the socket's deadlines, the headers it
+has validated, discarding what it refuses, and the batch of acknowledgements
+still to be sent.
 
 Every frame gets exactly one acknowledgement, in frame order: stored with
 its id, or refused with its own reason. A frame refused for its size or for
@@ -15,7 +16,6 @@ told that a capture the server kept was lost.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import select
@@ -31,13 +31,14 @@ from typing import Any
 import numpy as np
 
 from . import auth, shm, wire
-from ._core import recv_buffers, send_buffers
+from ._core import send_buffers
 from .arrays import LeafSpec
 from .buffers import ReceiveBuffers
 from .channel import NOT_DELIVERED_REASONS, SMALL_BYTES
 from .errors import HandshakeError, LimitExceeded, ProtocolError
 from .sockets import set_timeouts
 from .store import Capture, HistoryStore, Sender, UnsentNotice
+from .stream import StreamReader
 
 log = logging.getLogger("thing")
 
@@ -47,6 +48,11 @@ ACK_BATCH = 64
 # is read this much at a time, as it arrives.
 RECEIVE_CHUNK = 4 << 20
 HEADER_CHUNK = 64 << 10
+# A connection keeps the headers it validated, up to this many bytes of their parsed cost,
+# so a header seen again (every call of one name and layout) is only looked up. Headers
+# this long at most; the cache holds parsed-cost bytes of the server's header budget.
+HEADER_CACHE_BYTES = 256 << 10
+CACHED_HEADER_MAX = 2048
 
 
 class Deadlines:
@@ -134,6 +140,10 @@ class Connection:
         self._trailer_size = wire.FRAME_TRAILER.size
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
+        self._deadline = _ReadDeadline(settings.deadlines, sock, settings.idle_timeout)
+        self._stream = StreamReader(sock, before_wait=self._deadline.start)
+        self._headers: dict[bytes, wire.FrameHeader] = {}  # raw header -> validated
+        self._headers_cost = 0
 
     @property
     def busy(self) -> bool:
@@ -146,7 +156,7 @@ class Connection:
         """Greet the peer (and check its token); return who it is. Raises HandshakeError."""
         sock, settings = self.sock, self.settings
         set_timeouts(sock, settings.idle_timeout, settings.idle_timeout)
-        settings.deadlines.start(sock, settings.idle_timeout)
+        self._deadline.start()
         prefix = self._recv_exact(wire.HANDSHAKE.size)
         try:
             _, length = wire.decode_handshake_prefix(prefix)
@@ -162,13 +172,15 @@ class Connection:
         # plainly, which costs far less than recvmsg with room for them (the kernel closes
         # any descriptor sent anyway, and a shared-memory frame without one is refused).
         self.takes_descriptors = self.local and info.get("shared_memory") is True
+        if self.takes_descriptors:
+            self._stream.take_descriptors()
         if settings.token is not None:
             self._authenticate(settings.token, info.get("nonce"))
         # Proven (or no token asked): from now on it holds a slot like any client.
         self.handshaken, self.since = True, time.monotonic()
         welcome = {"server": "thing", "pid": os.getpid(), "notices": True}
         send_buffers(sock, [wire.encode_handshake(welcome)])
-        settings.deadlines.stop(sock)
+        self._deadline.stop()
         self.sender = Sender(
             address=self.address,
             hostname=wire.printable(str(info.get("hostname", "?"))[:255]),
@@ -186,7 +198,8 @@ class Connection:
                      "proof": auth.server_proof(token, client_nonce, server_nonce)}
         send_buffers(self.sock, [wire.encode_handshake(challenge, wire.HANDSHAKE_CHALLENGE)])
         try:
-            _, answer = wire.recv_handshake(self.sock)
+            _, length = wire.decode_handshake_prefix(self._recv_exact(wire.HANDSHAKE.size))
+            answer = wire.decode_handshake_info(self._recv_exact(length))
         except ConnectionError:
             # A client with another token refuses our proof and hangs up: say so in the REPL.
             raise HandshakeError("a client hung up at the token check (its token differs from "
@@ -215,7 +228,8 @@ class Connection:
                     break
                 # Frames that arrived together are answered together: one send, and
                 # one wake-up of the client's reader, per batch.
-                if len(self._acks) >= ACK_BATCH or not self._poller.poll(0):
+                if len(self._acks) >= ACK_BATCH or not (
+                        self._frame_buffered() or self._poller.poll(0)):
                     self._flush_acks()
         except ProtocolError as exc:
             # The stream can no longer be followed: answer the frame, then hang up.
@@ -231,20 +245,34 @@ class Connection:
 
     def _wait_readable(self) -> bool:
         """Wait, as long as it takes, for the next frame to begin; False once closing."""
+        if self._stream.buffered:
+            return True
         while not self.settings.closing.is_set():
             if self._poller.poll(1000):
                 return True
         return False
 
+    def _frame_buffered(self) -> bool:
+        """Whether the next frame has arrived whole (so reading it waits for nothing)."""
+        prefix = self._stream.peek(wire.FRAME_PREFIX.size)
+        if prefix is None:
+            return False
+        _, kind, header_len, payload_len, _, _ = wire.FRAME_PREFIX.unpack(prefix)
+        in_stream = 0 if kind == wire.KIND_SHARED_MEMORY else payload_len
+        return self._stream.buffered >= (
+            wire.FRAME_PREFIX.size + header_len + in_stream + self._trailer_size)
+
     def _receive_frame(self) -> bool:
         """Receive one frame and queue its acknowledgement; False if the peer closed cleanly."""
         settings = self.settings
-        settings.deadlines.start(self.sock, settings.idle_timeout)
+        self._deadline.set(settings.idle_timeout)
         try:
-            prefix, fds = self._recv_prefix()
+            prefix = self._stream.read(wire.FRAME_PREFIX.size)
         except ConnectionResetError:
+            self._deadline.stop()
             return False  # a clean close between frames
         self._mid_frame = True
+        fds: list[int] = []
         try:
             self._answer(self._receive_rest(prefix, fds))
             self._mid_frame = False
@@ -257,73 +285,92 @@ class Connection:
             settings.counts.add(dropped_transfers=1)  # cut mid-frame, invalid or too slow
             raise
         finally:
-            settings.deadlines.stop(self.sock)
-            for fd in fds:  # descriptors we did not adopt, e.g. sent by a misbehaving peer
+            self._deadline.stop()
+            for fd in fds:  # a descriptor we did not adopt (the frame was refused)
                 os.close(fd)
         return True
 
-    def _receive_rest(self, prefix: bytes, fds: list[int]) -> bytes:
+    def _receive_rest(self, raw_prefix: bytes, fds: list[int]) -> bytes:
         settings = self.settings
-        kind, header_len, payload_len = wire.decode_prefix(prefix)
-        shared = kind == wire.KIND_SHARED_MEMORY
-        if len(fds) != shared:
-            raise ProtocolError(f"a frame of kind {kind} came with {len(fds)} descriptors")
+        prefix = wire.decode_prefix(raw_prefix)
+        header_len, payload_len, seq = prefix.header_len, prefix.payload_len, prefix.seq
+        shared = prefix.kind == wire.KIND_SHARED_MEMORY
+        if shared:
+            fd = self._stream.take_descriptor()
+            if fd is None:
+                raise ProtocolError("a shared-memory frame came without its descriptor")
+            fds.append(fd)
         payload_in_stream = 0 if shared else payload_len
         # The whole frame must arrive at a minimum rate, so a peer that trickles cannot
         # hold a reservation (or a discard) for ever.
-        settings.deadlines.start(self.sock, settings.idle_timeout + (
+        self._deadline.set(settings.idle_timeout + (
             header_len + payload_in_stream + self._trailer_size) / settings.min_rate)
         # Every frame is numbered and signed, refused ones too: none can be slipped in.
         signature = None if self.mac is None else self.mac.incoming()
         if signature is not None:
-            signature.update(prefix)
+            signature.update(raw_prefix)
         try:
             wire.check_frame_size(header_len, payload_len, settings.limits)
         except LimitExceeded as exc:
             self._discard(header_len, signature)
-            return self._skip(payload_in_stream, signature, wire.SEQ_OLDEST_UNANSWERED, None, exc)
+            return self._skip(payload_in_stream, signature, seq, None, exc)
         raw_header = self._recv_header(header_len)
         if signature is not None:
             signature.update(raw_header)
-        header = None
+        header = self._headers.get(raw_header)
         with _Charge(settings.store, settings.header_budget) as charge:
             try:
-                # While the frame lasts, its header (the bytes, and what parsing them makes)
-                # is held against a budget all connections share: bounded, but never at
-                # the price of the history.
-                charge.hold_header(wire.header_cost(raw_header, settings.limits))
-                header = wire.decode_header(raw_header, payload_len, settings.limits)
+                if header is None:
+                    header = self._validate_header(raw_header, payload_len, charge)
+                else:
+                    wire.check_payload_length(header, payload_len)
                 del raw_header
                 charge.reserve(payload_len)
             except LimitExceeded as exc:
-                if header is None:
-                    return self._skip(payload_in_stream, signature, wire.SEQ_OLDEST_UNANSWERED,
-                                      None, exc)
-                return self._skip(payload_in_stream, signature, header.seq, header.name, exc)
+                return self._skip(payload_in_stream, signature, seq,
+                                  None if header is None else header.name, exc)
             try:
-                capture = self._receive_payload(header, payload_len, fds, signature, charge)
+                capture = self._receive_payload(prefix, header, fds, signature, charge)
             except LimitExceeded as exc:  # the whole frame was read: still in step
                 settings.warn(self.address, f"refused {header.name!r} from {self.address}: {exc}")
                 settings.counts.add(dropped_transfers=1)
-                return wire.encode_ack(header.seq, -1, str(exc))
+                return wire.encode_ack(seq, -1, str(exc))
         if capture is None:  # a notice, not a capture
-            return wire.encode_ack(header.seq, -1)
+            return wire.encode_ack(seq, -1)
         settings.counts.add(received=1)
-        return wire.encode_ack(header.seq, capture.id)
+        return wire.encode_ack(seq, capture.id)
 
-    def _receive_payload(self, header: wire.FrameHeader, payload_len: int, fds: list[int],
-                         signature: Any, charge: _Charge) -> Capture | None:
+    def _validate_header(self, raw: bytes, payload_len: int, charge: _Charge) -> wire.FrameHeader:
+        """Parse and check a header not seen before; keep it if it is short and there is room.
+
+        While the frame lasts, its header (the bytes, and what parsing them makes) is
+        held against a budget all connections share: bounded, but never at the price
+        of the history. A kept header stays charged to that budget (only to its spare
+        half, so keeping never starves frames under way) until the connection ends.
+        """
+        cost = wire.header_cost(raw, self.settings.limits)
+        charge.hold_header(cost)
+        header = wire.decode_header(raw, payload_len, self.settings.limits)
+        if (len(raw) <= CACHED_HEADER_MAX and self._headers_cost + cost <= HEADER_CACHE_BYTES
+                and self.settings.header_budget.take_spare(cost)):
+            self._headers[raw] = header
+            self._headers_cost += cost
+        return header
+
+    def _receive_payload(self, prefix: wire.FramePrefix, header: wire.FrameHeader,
+                         fds: list[int], signature: Any, charge: _Charge) -> Capture | None:
         """Receive a frame's arrays and trailer, charging the store as the bytes arrive.
 
         Returns the stored capture, or None for a notice of a capture the sender
         could not send (``meta["unsent"]``), which the store records instead.
         """
         settings = self.settings
+        payload_len = prefix.payload_len
         trailer = bytearray(self._trailer_size)
         if fds:  # a shared-memory frame: its bytes are all there already
             charge.fill(payload_len)
             arrays = self._adopt(fds.pop(), header.leaves)
-            recv_buffers(self.sock, [trailer])
+            self._stream.read_into([trailer])
         else:
             if payload_len >= SMALL_BYTES:
                 self._flush_acks()  # the frames before this one need not wait for its payload
@@ -332,8 +379,12 @@ class Connection:
             batches = _batches(views, RECEIVE_CHUNK)
             for number, batch in enumerate(batches, 1):
                 charge.fill(sum(view.nbytes for view in batch))  # evicts only as bytes come
-                recv_buffers(self.sock, [*batch, trailer] if number == len(batches) else batch)
+                self._stream.read_into([*batch, trailer] if number == len(batches) else batch)
         modified = self._check_trailer(trailer, signature)
+        if self._stream.descriptors_waiting and not self._stream.buffered:
+            # A descriptor comes with its frame's first bytes: with none left to read,
+            # one still waiting came with this frame or before it, and no frame takes it.
+            raise ProtocolError("a frame came with more descriptors than it carries")
         wire.check_received(header.tree, arrays)
         meta = header.meta
         sender = _sender_of(meta, self.sender)
@@ -349,7 +400,7 @@ class Connection:
             header.leaves,
             payload_len,
             sender,
-            caught_at=_float_or(meta.get("caught_at")),
+            caught_at=prefix.caught_at,
             call_site=_str_or(meta.get("site")),
             consistent=not modified,
         )
@@ -387,7 +438,9 @@ class Connection:
         what = "a capture" if name is None else repr(name)
         self.settings.warn(self.address, f"refused {what} from {self.address}: {why}")
         self._discard(payload_bytes)
-        self._check_trailer(bytearray(self._recv_exact(self._trailer_size)), signature)
+        trailer = bytearray(self._trailer_size)
+        self._stream.read_into([trailer])
+        self._check_trailer(trailer, signature)
         self.settings.counts.add(dropped_transfers=1)
         return wire.encode_ack(seq, -1, str(why)[:1000])
 
@@ -408,6 +461,10 @@ class Connection:
         for a second at most: a thing client hangs up once it sees the end.
         """
         sock = self.sock
+        self._stream.close()
+        self.settings.header_budget.give_back(self._headers_cost)
+        self._headers.clear()
+        self._headers_cost = 0
         try:
             set_timeouts(sock, 1.0, 0.2)
             self._flush_acks()
@@ -421,50 +478,48 @@ class Connection:
 
     # -- reading -------------------------------------------------------------------
 
-    def _recv_prefix(self) -> tuple[bytes, list[int]]:
-        """A frame prefix, and on a Unix socket the descriptors that came with it."""
-        size = wire.FRAME_PREFIX.size
-        if not self.takes_descriptors:
-            return self._recv_exact(size), []
-        prefix, fds = b"", []
-        flags = socket.MSG_WAITALL | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
-        while len(prefix) < size:
-            data, received, message_flags, _ = socket.recv_fds(
-                self.sock, size - len(prefix), 4, flags
-            )
-            fds += received
-            if message_flags & socket.MSG_CTRUNC or not data:
-                for fd in fds:
-                    os.close(fd)
-                if not data:
-                    raise ConnectionResetError(errno.ECONNRESET, "peer closed the connection")
-                raise ProtocolError("a peer sent more descriptors than a frame carries")
-            prefix += data
-        return prefix, fds
-
     def _recv_header(self, size: int) -> bytes:
         """A header of ``size`` bytes, read as they arrive: a claim allocates nothing."""
+        if size <= HEADER_CHUNK:
+            return self._stream.read(size)
         received = bytearray()
         while len(received) < size:
-            chunk = bytearray(min(size - len(received), HEADER_CHUNK))
-            recv_buffers(self.sock, [chunk])
-            received += chunk
+            received += self._stream.read(min(size - len(received), HEADER_CHUNK))
         return bytes(received)
 
     def _recv_exact(self, size: int) -> bytes:
-        buffer = bytearray(size)
-        recv_buffers(self.sock, [buffer])
-        return bytes(buffer)
+        return self._stream.read(size)
 
     def _discard(self, size: int, signature: Any = None) -> None:
         """Read and drop ``size`` bytes (feeding them to ``signature``, if given)."""
-        scratch = bytearray(min(size, 1 << 20))
-        while size:
-            chunk = memoryview(scratch)[: min(size, len(scratch))]
-            recv_buffers(self.sock, [chunk])
-            if signature is not None:
-                signature.update(chunk)
-            size -= len(chunk)
+        self._stream.skip(size, None if signature is None else signature.update)
+
+
+class _ReadDeadline:
+    """The deadline of what one connection is reading, started only when a read must wait
+    (a frame already in the read-ahead buffer costs the shared :class:`Deadlines` nothing)."""
+
+    def __init__(self, deadlines: Deadlines, sock: socket.socket, seconds: float):
+        self._deadlines = deadlines
+        self._sock = sock
+        self._seconds = seconds
+        self._running = False
+
+    def set(self, seconds: float) -> None:
+        """What is read from now on must arrive within ``seconds`` (of when it started)."""
+        self._seconds = seconds
+        if self._running:
+            self._deadlines.start(self._sock, seconds)
+
+    def start(self) -> None:
+        if not self._running:
+            self._deadlines.start(self._sock, self._seconds)
+            self._running = True
+
+    def stop(self) -> None:
+        if self._running:
+            self._deadlines.stop(self._sock)
+            self._running = False
 
 
 class HeaderBudget:
@@ -488,6 +543,15 @@ class HeaderBudget:
                     f"bytes; this one would take {nbytes} more"
                 )
             self._used += nbytes
+
+    def take_spare(self, nbytes: int) -> bool:
+        """Take ``nbytes`` only from the budget's unused half (for what is kept, not what
+        is under way); False, taking nothing, if they do not fit there."""
+        with self._lock:
+            if self._used + nbytes > self.max_bytes // 2:
+                return False
+            self._used += nbytes
+            return True
 
     def give_back(self, nbytes: int) -> None:
         with self._lock:
@@ -585,10 +649,6 @@ def _undelivered_of(meta: dict[str, Any]) -> dict[str, int]:
 
 def _int_or(value: Any, default: Any) -> Any:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _float_or(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _str_or(value: Any, most: int = 1024) -> str | None:

@@ -13,7 +13,7 @@ import math
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import config
 from ._core import recv_buffers
@@ -38,7 +38,7 @@ from .arrays import (
 from .errors import HandshakeError, LimitExceeded, ProtocolError, UnsupportedType
 
 MAGIC = b"THNG"
-VERSION = 2
+VERSION = 3
 
 # magic, protocol version, status (0 = ok) or flags, length of the JSON that follows
 HANDSHAKE = struct.Struct("<4sHHI")
@@ -47,8 +47,10 @@ HANDSHAKE_REFUSED = 1
 HANDSHAKE_CHALLENGE = 2  # the server wants proof of the token: {"nonce": ...}
 MAX_HANDSHAKE_JSON = 64 << 10
 
-# b"TF", kind, header length, payload length; then header, payload, trailer
-FRAME_PREFIX = struct.Struct("<2sHIQ")
+# b"TF", kind, header length, payload length, the client's sequence number, the time of
+# the call; then header, payload, trailer. What changes with every call travels here, so
+# the header of one name and layout repeats byte for byte and is validated once.
+FRAME_PREFIX = struct.Struct("<2sHIQQd")
 FRAME_TAG = b"TF"
 KIND_CAPTURE = 1
 # The payload is not in the stream but in a sealed memfd passed with the prefix (SCM_RIGHTS).
@@ -146,7 +148,8 @@ class Payload:
             hold(leaf, copy, snapshot_bytes)
 
 
-_SINGLE_LEAF = {"leaf": 0}
+# The tree of a capture that is one array: shared, so a sender can tell it at a glance.
+SINGLE_LEAF = {"leaf": 0}
 
 
 def take_apart(value: Any, max_depth: int = 64) -> Payload:
@@ -160,7 +163,7 @@ def take_apart(value: Any, max_depth: int = 64) -> Payload:
     """
     leaf = describe_leaf(value)
     if leaf is not None:  # the common case, kept short: catch() runs in training loops
-        return Payload(_SINGLE_LEAF, [leaf], leaf.nbytes)
+        return Payload(SINGLE_LEAF, [leaf], leaf.nbytes)
     leaves: list[Leaf] = []
     tree = _walk(value, leaves, max_depth)
     return Payload(tree, leaves, sum(leaf.nbytes for leaf in leaves))
@@ -281,19 +284,21 @@ def type_name(obj: Any) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-def encode_header(seq: int, name: str | None, payload: Payload, meta: dict[str, Any]) -> bytes:
-    """The JSON header of one capture frame."""
+def encode_header(name: str | None, payload: Payload, meta: dict[str, Any]) -> bytes:
+    """The JSON header of one capture frame: the same bytes for every call of one name,
+    layout and call site (what changes per call is in the prefix)."""
     leaves = [
         [leaf.spec.framework, leaf.spec.dtype, list(leaf.spec.shape), leaf.spec.scalar]
         for leaf in payload.leaves
     ]
-    document = {"seq": seq, "name": name, "value": payload.tree, "leaves": leaves, "meta": meta}
+    document = {"name": name, "value": payload.tree, "leaves": leaves, "meta": meta}
     return json.dumps(document, separators=(",", ":")).encode()
 
 
-def encode_prefix(header: bytes, payload_len: int, kind: int = KIND_CAPTURE) -> bytes:
+def encode_prefix(header: bytes, payload_len: int, seq: int, caught_at: float,
+                  kind: int = KIND_CAPTURE) -> bytes:
     """The fixed-size part that opens a capture frame."""
-    return FRAME_PREFIX.pack(FRAME_TAG, kind, len(header), payload_len)
+    return FRAME_PREFIX.pack(FRAME_TAG, kind, len(header), payload_len, seq, caught_at)
 
 
 def encode_trailer(modified_during_send: bool) -> bytes:
@@ -308,25 +313,38 @@ def encode_trailer(modified_during_send: bool) -> bytes:
 
 @dataclass(frozen=True)
 class FrameHeader:
-    """A validated capture header: safe to allocate from."""
+    """A validated capture header: safe to allocate from, and shared by every frame that
+    sends the same header bytes (so nothing may change it)."""
 
-    seq: int
     name: str | None
     tree: Any
     leaves: tuple[LeafSpec, ...]
     meta: dict[str, Any]
+    nbytes: int  # the payload its leaves describe
 
 
-def decode_prefix(prefix: bytes) -> tuple[int, int, int]:
-    """Check a frame prefix's tag and kind; return ``(kind, header_length, payload_length)``.
+class FramePrefix(NamedTuple):
+    """A frame's fixed-size opening, checked: what it is, how long, and the per-call fields."""
+
+    kind: int
+    header_len: int
+    payload_len: int
+    seq: int
+    caught_at: float | None  # None if the sender's clock gave no finite time
+
+
+def decode_prefix(prefix: bytes) -> FramePrefix:
+    """Check a frame prefix's tag and kind; return its fields.
 
     The lengths are checked against the limits separately, by :func:`check_frame_size`:
     a frame that is merely too large can be read past, one with a bad prefix cannot.
     """
-    tag, kind, header_len, payload_len = _unpack(FRAME_PREFIX, prefix, "frame prefix")
+    tag, kind, header_len, payload_len, seq, caught_at = _unpack(
+        FRAME_PREFIX, prefix, "frame prefix")
     if tag != FRAME_TAG or kind not in (KIND_CAPTURE, KIND_SHARED_MEMORY):
-        raise ProtocolError(f"bad frame prefix {prefix!r}")
-    return kind, header_len, payload_len
+        raise ProtocolError(f"bad frame prefix {bytes(prefix)!r}")
+    return FramePrefix(kind, header_len, payload_len, seq,
+                       caught_at if math.isfinite(caught_at) else None)
 
 
 def check_frame_size(header_len: int, payload_len: int, limits: Limits) -> None:
@@ -372,17 +390,8 @@ def header_cost(raw: bytes, limits: Limits) -> int:
 def decode_header(raw: bytes, payload_len: int, limits: Limits) -> FrameHeader:
     """Validate a capture header completely; raise :class:`ProtocolError` on any flaw."""
     document = _load_json(raw, "header")
-    if not isinstance(document, dict) or set(document) != {
-        "seq",
-        "name",
-        "value",
-        "leaves",
-        "meta",
-    }:
+    if not isinstance(document, dict) or set(document) != {"name", "value", "leaves", "meta"}:
         raise ProtocolError("header is not a capture header")
-    seq = document["seq"]
-    if not _is_int(seq) or not 0 <= seq < 1 << 64:
-        raise ProtocolError("header seq is not a 64-bit unsigned integer")
     name = document["name"]
     if name is not None and (not isinstance(name, str) or len(name) > limits.max_name_length):
         raise ProtocolError("header name is not a string of acceptable length")
@@ -390,14 +399,21 @@ def decode_header(raw: bytes, payload_len: int, limits: Limits) -> FrameHeader:
     if not isinstance(meta, dict):
         raise ProtocolError("header meta is not an object")
     leaves = _decode_leaves(document["leaves"], limits)
-    total = sum(spec.nbytes for spec in leaves)
-    if total != payload_len:
-        raise ProtocolError(f"leaves describe {total} bytes but the payload holds {payload_len}")
+    header = FrameHeader(name, document["value"], leaves, meta,
+                         sum(spec.nbytes for spec in leaves))
+    check_payload_length(header, payload_len)
     used = [False] * len(leaves)
     _check_tree(document["value"], leaves, used, limits.max_depth)
     if not all(used):
         raise ProtocolError("header lists leaves its value does not use")
-    return FrameHeader(seq, name, document["value"], leaves, meta)
+    return header
+
+
+def check_payload_length(header: FrameHeader, payload_len: int) -> None:
+    """Raise :class:`ProtocolError` unless ``header``'s leaves describe ``payload_len`` bytes."""
+    if header.nbytes != payload_len:
+        raise ProtocolError(
+            f"leaves describe {header.nbytes} bytes but the payload holds {payload_len}")
 
 
 def _decode_leaves(raw: Any, limits: Limits) -> tuple[LeafSpec, ...]:

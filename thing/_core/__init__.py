@@ -30,18 +30,26 @@ def _say_not_built(exc: ImportError) -> None:
 
 
 if os.environ.get("THING_PUREPYTHON", "") not in ("", "0"):
-    from .fallback import PrivateMapping, copy_into, recv_buffers, send_buffers
+    from . import fallback as _movers
 
     BACKEND = "python"
 else:
     try:
-        from ._transport import PrivateMapping, copy_into, recv_buffers, send_buffers
+        from . import _transport as _movers
 
         BACKEND = "compiled"
     except ImportError as exc:  # pragma: no cover - depends on the build
-        from .fallback import PrivateMapping, copy_into, recv_buffers, send_buffers
+        from . import fallback as _movers
 
         BACKEND = "python"
         _say_not_built(exc)
 
-__all__ = ["BACKEND", "PrivateMapping", "copy_into", "recv_buffers", "send_buffers"]
+MAX_DESCRIPTORS: int = _movers.MAX_DESCRIPTORS
+PrivateMapping = _movers.PrivateMapping
+copy_into = _movers.copy_into
+recv_buffers = _movers.recv_buffers
+recv_some = _movers.recv_some
+send_buffers = _movers.send_buffers
+
+__all__ = ["BACKEND", "MAX_DESCRIPTORS", "PrivateMapping", "copy_into", "recv_buffers",
+           "recv_some", "send_buffers"]

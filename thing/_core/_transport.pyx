@@ -1,7 +1,7 @@
 # cython: language_level=3
 """The compiled byte movers: scatter/gather socket loops on buffer pointers.
 
-Both functions hold a ``Py_buffer`` view of every buffer for the whole call, so
+``send_buffers`` and ``recv_buffers`` hold a ``Py_buffer`` view of every buffer for the whole call, so
 the memory cannot move or be freed while the GIL is released, and they loop
 over partial transfers without taking the GIL back: a training thread that
 holds the GIL never slows a transfer down chunk by chunk.
@@ -19,7 +19,7 @@ from cpython.buffer cimport (
 )
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from libc.errno cimport EAGAIN, ECONNRESET, EINTR, errno
+from libc.errno cimport EAGAIN, ECONNRESET, EINTR, EMSGSIZE, errno
 from libc.string cimport memcpy, memset, strerror
 
 cdef extern from "<sys/uio.h>":
@@ -31,9 +31,23 @@ cdef extern from "<sys/socket.h>":
     struct msghdr:
         iovec *msg_iov
         size_t msg_iovlen
+        void *msg_control
+        size_t msg_controllen
+        int msg_flags
+    struct cmsghdr:
+        size_t cmsg_len
+        int cmsg_level
+        int cmsg_type
     ssize_t sendmsg(int fd, const msghdr *msg, int flags) nogil
     ssize_t recvmsg(int fd, msghdr *msg, int flags) nogil
+    cmsghdr *CMSG_FIRSTHDR(msghdr *msg) nogil
+    cmsghdr *CMSG_NXTHDR(msghdr *msg, cmsghdr *cmsg) nogil
+    unsigned char *CMSG_DATA(cmsghdr *cmsg) nogil
+    size_t CMSG_LEN(size_t length) nogil
     int MSG_WAITALL
+    int MSG_CTRUNC
+    int SOL_SOCKET
+    int SCM_RIGHTS
 
 cdef extern from *:
     """
@@ -45,11 +59,21 @@ cdef extern from *:
     #ifndef MSG_NOSIGNAL
     #define MSG_NOSIGNAL 0
     #endif
+    #ifndef MSG_CMSG_CLOEXEC
+    #define MSG_CMSG_CLOEXEC 0
+    #endif
     #define THING_IOV_MAX IOV_MAX
     #define THING_MSG_NOSIGNAL MSG_NOSIGNAL
+    #define THING_MSG_CMSG_CLOEXEC MSG_CMSG_CLOEXEC
+    /* Room for MAX_DESCRIPTORS ints of SCM_RIGHTS, aligned as the kernel writes them. */
+    #define THING_MAX_DESCRIPTORS 4
+    #define THING_CONTROL_BYTES CMSG_SPACE(THING_MAX_DESCRIPTORS * sizeof(int))
     """
     const int THING_IOV_MAX
     const int THING_MSG_NOSIGNAL
+    const int THING_MSG_CMSG_CLOEXEC
+    const int THING_MAX_DESCRIPTORS
+    const size_t THING_CONTROL_BYTES
     const int EWOULDBLOCK
 
 
@@ -147,6 +171,72 @@ def recv_buffers(sock, buffers) -> int:
     Raises ``ConnectionResetError`` if the peer closes before all are filled.
     """
     return _run(sock, buffers, False)
+
+
+MAX_DESCRIPTORS = THING_MAX_DESCRIPTORS
+
+
+def recv_some(sock, buffer, Py_ssize_t offset, list descriptors=None) -> int:
+    """Receive what has arrived (waiting for at least one byte) into ``buffer[offset:]``.
+
+    Returns the byte count, 0 at the end of the stream. With a ``descriptors``
+    list, descriptors passed with the bytes (``SCM_RIGHTS``, close-on-exec,
+    ``MAX_DESCRIPTORS`` at most) are appended to it; more than that raises
+    ``OSError(EMSGSIZE)`` after appending those that came, for the caller to close.
+    One ``recvmsg`` with the GIL released: the reader of many small frames at once.
+    """
+    cdef int fd = sock.fileno()
+    cdef Py_buffer view
+    cdef msghdr msg
+    cdef iovec iov
+    cdef cmsghdr *cmsg
+    cdef size_t control[8]  # aligned as a cmsghdr must be
+    cdef ssize_t moved
+    cdef int error = 0
+    cdef int received
+    cdef int *passed
+    cdef Py_ssize_t i
+    if THING_CONTROL_BYTES > sizeof(control):
+        raise SystemError("descriptor room does not fit")
+    PyObject_GetBuffer(buffer, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+    try:
+        if not 0 <= offset < view.len:
+            raise ValueError(f"offset {offset} is outside a buffer of {view.len} bytes")
+        while True:
+            memset(&msg, 0, sizeof(msg))
+            iov.iov_base = <char *>view.buf + offset
+            iov.iov_len = <size_t>(view.len - offset)
+            msg.msg_iov = &iov
+            msg.msg_iovlen = 1
+            if descriptors is not None:
+                msg.msg_control = <void *>control
+                msg.msg_controllen = THING_CONTROL_BYTES
+            with nogil:
+                moved = recvmsg(fd, &msg, THING_MSG_CMSG_CLOEXEC)
+                if moved < 0:
+                    error = errno
+            if moved >= 0:
+                break
+            if error == EINTR:
+                PyErr_CheckSignals()
+                continue
+            if error == EAGAIN or error == EWOULDBLOCK:
+                raise TimeoutError(error, "timed out waiting for bytes")
+            raise OSError(error, strerror(error).decode("utf-8", "replace"))
+        if descriptors is not None:
+            cmsg = CMSG_FIRSTHDR(&msg)
+            while cmsg != NULL:
+                if cmsg.cmsg_level == SOL_SOCKET and cmsg.cmsg_type == SCM_RIGHTS:
+                    received = <int>((cmsg.cmsg_len - CMSG_LEN(0)) // sizeof(int))
+                    passed = <int *>CMSG_DATA(cmsg)
+                    for i in range(received):
+                        descriptors.append(passed[i])
+                cmsg = CMSG_NXTHDR(&msg, cmsg)
+            if msg.msg_flags & MSG_CTRUNC:
+                raise OSError(EMSGSIZE, "more descriptors came than one receive takes")
+        return moved
+    finally:
+        PyBuffer_Release(&view)
 
 
 def copy_into(destination, source) -> int:

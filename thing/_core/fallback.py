@@ -7,6 +7,7 @@ benchmarks compare against, and the fallback when the extension is missing or
 
 from __future__ import annotations
 
+import array
 import errno
 import mmap
 import os
@@ -16,6 +17,8 @@ from collections.abc import Sequence
 
 # Linux and macOS both cap one sendmsg/recvmsg at 1024 buffers.
 _IOV_MAX = 1024
+MAX_DESCRIPTORS = 4
+_CONTROL_BYTES = socket.CMSG_SPACE(MAX_DESCRIPTORS * array.array("i").itemsize)
 
 
 def _byte_view(buffer: object, writable: bool) -> memoryview:
@@ -65,6 +68,29 @@ def send_buffers(sock: socket.socket, buffers: Sequence) -> int:
 def recv_buffers(sock: socket.socket, buffers: Sequence) -> int:
     """Fill every writable buffer of ``buffers`` in order; return the bytes received."""
     return _transfer(sock, buffers, sending=False)
+
+
+def recv_some(sock: socket.socket, buffer: object, offset: int,
+              descriptors: list[int] | None = None) -> int:
+    """Receive what has arrived into ``buffer[offset:]``; append passed descriptors."""
+    view = _byte_view(buffer, writable=True)
+    if not 0 <= offset < view.nbytes:
+        raise ValueError(f"offset {offset} is outside a buffer of {view.nbytes} bytes")
+    try:
+        if descriptors is None:
+            return sock.recv_into(view[offset:])
+        moved, control, flags, _ = sock.recvmsg_into(
+            [view[offset:]], _CONTROL_BYTES, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+    except BlockingIOError as exc:
+        raise TimeoutError(exc.errno, "timed out waiting for bytes") from None
+    for level, kind, data in control:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            passed = array.array("i")
+            passed.frombytes(data[: len(data) - len(data) % passed.itemsize])
+            descriptors.extend(passed)
+    if flags & socket.MSG_CTRUNC:
+        raise OSError(errno.EMSGSIZE, "more descriptors came than one receive takes")
+    return moved
 
 
 def copy_into(destination: object, source: object) -> int:

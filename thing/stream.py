@@ -1,0 +1,136 @@
+"""A socket read in large chunks: many small frames per receive call, large ones in place.
+
+The receiver asks for exact byte counts; one ``recv`` takes whatever the peer
+has sent so far (up to the buffer's size), so a burst of small frames costs
+one system call instead of four per frame, and their bytes are split here.
+Bytes that belong in an array large enough to be worth it go from the socket
+straight into that array's memory, after the few already buffered.
+
+On a Unix socket whose peer may pass descriptors, every receive has room for
+them. The kernel hands a message's descriptors over with its first bytes, so
+they arrive no later than the prefix of the frame they belong to, and frames
+take them in the order they came.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ._core import MAX_DESCRIPTORS, recv_buffers, recv_some
+from .errors import ProtocolError
+
+# Bytes one connection reads ahead at most: hundreds of small frames.
+BUFFER_BYTES = 64 << 10
+
+
+class StreamReader:
+    """Exact reads from a blocking socket, through a read-ahead buffer."""
+
+    def __init__(self, sock: Any, before_wait: Callable[[], None] | None = None,
+                 capacity: int = BUFFER_BYTES):
+        self.sock = sock
+        self._buffer = bytearray(capacity)
+        self._view = memoryview(self._buffer)
+        self._start = 0  # the first unread byte
+        self._end = 0  # one past the last received byte
+        self._descriptors: list[int] | None = None  # see take_descriptors
+        # Called before every receive that may wait, e.g. to start a deadline.
+        self._before_wait = before_wait or (lambda: None)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet read."""
+        return self._end - self._start
+
+    def peek(self, size: int) -> memoryview | None:
+        """The next ``size`` bytes if they are already here (not consumed), else None."""
+        if self._end - self._start < size:
+            return None
+        return self._view[self._start:self._start + size]
+
+    def read(self, size: int) -> bytes:
+        """Exactly ``size`` bytes (at most the buffer's size), waiting as long as it takes."""
+        if self._end - self._start < size:
+            self._fill(size)
+        start = self._start
+        self._start = start + size
+        return bytes(self._view[start:start + size])
+
+    def read_into(self, views: list[Any]) -> None:
+        """Fill each writable flat byte buffer in order: what is buffered first, then the
+        rest straight from the socket (or through the buffer, when it all fits there)."""
+        total = sum(len(view) for view in views)
+        if total - self.buffered > 0 and total <= len(self._buffer) // 4:
+            self._fill(total)
+        rest = []
+        for buffer in views:
+            view = memoryview(buffer)  # its slices share its memory (a bytearray's do not)
+            size = len(view)
+            take = min(size, self._end - self._start)
+            if take:
+                view[:take] = self._view[self._start:self._start + take]
+                self._start += take
+            if take < size:
+                rest.append(view[take:])
+        if rest:
+            self._before_wait()
+            recv_buffers(self.sock, rest)
+
+    def skip(self, size: int, feed: Callable[[memoryview], Any] | None = None) -> None:
+        """Read and drop ``size`` bytes, handing each piece to ``feed`` (if given) first."""
+        while size:
+            if self._start == self._end:
+                self._fill(1)
+            take = min(size, self._end - self._start)
+            if feed is not None:
+                feed(self._view[self._start:self._start + take])
+            self._start += take
+            size -= take
+
+    def take_descriptors(self) -> None:
+        """From now on, receive descriptors passed with the bytes (kept for the frames)."""
+        if self._descriptors is None:
+            self._descriptors = []
+
+    @property
+    def descriptors_waiting(self) -> int:
+        """Descriptors received and not yet taken by a frame."""
+        return len(self._descriptors or ())
+
+    def take_descriptor(self) -> int | None:
+        """The oldest descriptor received and not yet taken, or None."""
+        if not self._descriptors:
+            return None
+        return self._descriptors.pop(0)
+
+    def close(self) -> None:
+        """Close the descriptors no frame took (a misbehaving peer's)."""
+        while self._descriptors:
+            os.close(self._descriptors.pop())
+
+    def _fill(self, size: int) -> None:
+        """Receive until ``size`` bytes are buffered; ConnectionResetError at the stream's end."""
+        if self._start + size > len(self._buffer):  # make room: move the unread bytes to the front
+            held = self._end - self._start
+            self._buffer[:held] = self._view[self._start:self._end]
+            self._start, self._end = 0, held
+        while self._end - self._start < size:
+            self._before_wait()
+            try:
+                moved = recv_some(self.sock, self._buffer, self._end, self._descriptors)
+            except OSError as exc:
+                if exc.errno == errno.EMSGSIZE:  # the kernel closed those that did not fit
+                    raise ProtocolError("a peer sent more descriptors than a frame carries") \
+                        from None
+                raise
+            if moved == 0:
+                raise ConnectionResetError(
+                    errno.ECONNRESET, f"peer closed the connection {self._end - self._start} "
+                    f"bytes into {size} it owed")
+            self._end += moved
+            if self._descriptors is not None and len(self._descriptors) > MAX_DESCRIPTORS:
+                # An honest peer's descriptors are taken by its next frames: these are not.
+                raise ProtocolError("a peer sent more descriptors than its frames carry")
