@@ -17,6 +17,7 @@ import pytest
 import thing
 import thing.channel
 import thing.receiver
+import thing.stream
 import thing.wire
 from thing._core import fallback
 
@@ -31,8 +32,8 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     with :func:`run_script` get ``THING_PUREPYTHON`` accordingly.
     """
     if request.param == "python":
-        for module in (thing.channel, thing.receiver, thing.wire):
-            for name in ("send_buffers", "recv_buffers"):
+        for module in (thing.channel, thing.receiver, thing.stream, thing.wire):
+            for name in ("send_buffers", "recv_buffers", "recv_some"):
                 if hasattr(module, name):
                     monkeypatch.setattr(module, name, getattr(fallback, name))
         monkeypatch.setenv("THING_PUREPYTHON", "1")

@@ -51,6 +51,8 @@ GATHER_SECONDS = 0.01
 BATCH = 64
 # Small frames sent in one vectored write at most: bounds what one sendmsg holds.
 COALESCE = 64
+# Acknowledgements settled together at most (one lock, one wake-up of a blocked catch).
+SETTLE_BATCH = 256
 # Headers of single arrays kept per connection, by name, layout, call site and rank: a
 # name caught every step is encoded once (see Channel._header).
 MAX_KEPT_HEADERS = 1024
@@ -87,13 +89,15 @@ class Pending(NamedTuple):
 class SendQueue:
     """What a client may hold unsent, across all its channels, and what it failed to deliver.
 
-    ``lock`` is the one condition every channel of the client uses.
+    ``lock`` is the one condition every channel of the client uses, on ``mutex``:
+    holding the mutex is holding the condition, and costs less to take.
     ``undelivered`` counts captures that were not delivered, by reason; it
     travels with every frame so the REPL sees them too.
     """
 
     def __init__(self, max_bytes: int, max_items: int):
-        self.lock = threading.Condition(threading.Lock())
+        self.mutex = threading.Lock()
+        self.lock = threading.Condition(self.mutex)
         self.max_bytes = max_bytes
         self.max_items = max_items
         self.items = 0
@@ -120,9 +124,10 @@ class SendQueue:
         self.bytes += nbytes
         return True
 
-    def give_back(self, nbytes: int) -> None:
-        """Give back one capture's room (the caller holds ``lock``)."""
-        self.items -= 1
+    def give_back(self, nbytes: int, items: int = 1) -> None:
+        """Give back the room of ``items`` captures of ``nbytes`` in all (the caller holds
+        ``lock``)."""
+        self.items -= items
         self.bytes -= nbytes
         self.lock.notify_all()
 
@@ -135,6 +140,7 @@ class Channel:
         self.token = token
         self._room = queue
         self._lock = queue.lock
+        self._mutex = queue.mutex
         self._queue: deque[Pending] = deque()
         # Sent and awaiting the server's ack, in the order they were sent (dicts keep it).
         self._inflight: dict[int, Pending] = {}
@@ -180,20 +186,20 @@ class Channel:
         store the notice as a capture of None (see :meth:`_send_batch`).
         """
         reason = reason[:wire.MAX_REASON]
-        with self._lock:
+        with self._mutex:
             told = self._told
             if (name, reason) in told or len(told) >= MAX_TOLD:
                 return
         notice = Pending(name, wire.Payload(None, [], 0), site, time.time(), rank,
                          CaptureHandle(name), {"type": wire.type_name(obj), "reason": reason})
         if self._enqueue(notice, False, False, 0) is notice.handle:
-            with self._lock:
+            with self._mutex:
                 told.add((name, reason))
 
     def _enqueue(self, pending: Pending, block: bool, copy: bool | None,
                  snapshot_bytes: int) -> CaptureHandle:
         nbytes = pending.payload.nbytes
-        with self._lock:
+        with self._mutex:
             if self._closed:
                 return CLOSED
             if not self._room.take(nbytes, block):
@@ -201,11 +207,11 @@ class Channel:
         try:
             pending.payload.hold(copy, snapshot_bytes)
         except BaseException:
-            with self._lock:
+            with self._mutex:
                 self._room.give_back(nbytes)
                 self._room.undelivered["failed"] += 1
             raise
-        with self._lock:
+        with self._mutex:
             if self._closed:
                 self._room.give_back(nbytes)
                 self._room.undelivered["closed"] += 1
@@ -219,7 +225,7 @@ class Channel:
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop: queued captures are told the client closed, in-flight ones too unless acked."""
-        with self._lock:
+        with self._mutex:
             self._closed = True
             dropped = self._take_queue("closed")
             self._lock.notify_all()
@@ -245,7 +251,7 @@ class Channel:
                                    "unexpected error connecting to %s:%d", *self.address,
                                    exc_info=True)
                 self._set_down(exc)
-                with self._lock:
+                with self._mutex:
                     if not self._closed:
                         self._lock.wait(delay)
                 delay = min(delay * 2, config.reconnect_interval())
@@ -255,7 +261,7 @@ class Channel:
 
     def _serve(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
         """Send on one connection until it ends or the channel closes; then settle the in-flight."""
-        with self._lock:
+        with self._mutex:
             self._sock, self.down, self._lost = sock, False, False
         reader = threading.Thread(
             target=self._read_acks, args=(sock, mac), daemon=True,
@@ -280,7 +286,7 @@ class Channel:
             shutdown(sock)
             reader.join()
             sock.close()
-            with self._lock:
+            with self._mutex:
                 self._sock = None
             if self._closed:
                 self._fail_inflight("closed", _CLOSED_IN_FLIGHT)
@@ -374,7 +380,7 @@ class Channel:
                 f"the server at {host}:{port} did not ask for the token, so it cannot prove "
                 "it is yours (another user's, listening first?); not sending to it")
         if status == wire.HANDSHAKE_OK:
-            with self._lock:
+            with self._mutex:
                 self._notices, self._told = info.get("notices") is True, set()
         if status != wire.HANDSHAKE_OK:
             error = wire.printable(str(info.get("error", "?")))
@@ -400,7 +406,7 @@ class Channel:
         return dropped
 
     def _set_down(self, reason: Exception) -> None:
-        with self._lock:
+        with self._mutex:
             first_failure = not self.down
             self.down = True
             dropped = self._take_queue("no server")
@@ -415,7 +421,7 @@ class Channel:
 
     def _send_loop(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
         while True:
-            with self._lock:
+            with self._mutex:
                 while not self._queue and not self._closed and not self._lost:
                     self._lock.wait()
                 if self._closed:
@@ -569,31 +575,15 @@ class Channel:
     # -- acknowledgement reader ----------------------------------------------------
 
     def _read_acks(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
-        # Acks of frames sent together arrive together: one receive takes them all.
+        # Acks of frames sent together arrive together: one receive takes them all, and
+        # they are settled together.
         stream = StreamReader(sock)
         try:
             while True:
-                prefix = stream.read(wire.ACK.size)
-                status, length, seq, capture_id = wire.decode_ack(prefix)
-                message = stream.read(length)
-                if mac is not None and not mac.check(stream.read(auth.MAC_BYTES), prefix,
-                                                     message):
-                    raise ProtocolError("an acknowledgement's signature does not match: it did "
-                                        "not come from the server that proved the token")
-                with self._lock:
-                    oldest = next(iter(self._inflight), None)
-                if seq == wire.SEQ_OLDEST_UNANSWERED and oldest is not None:
-                    seq = oldest
-                elif seq != oldest:
-                    raise ProtocolError(
-                        f"the server acknowledged frame {seq} while {oldest} was the oldest "
-                        "unanswered one"
-                    )
-                if status == wire.ACK_STORED:
-                    self._finish(seq, capture_id, None, None)
-                else:
-                    text = wire.printable(message.decode("utf-8", "replace"))
-                    self._finish(seq, None, f"refused by the server: {text}", None)
+                acks = [_read_ack(stream, mac)]
+                while stream.buffered >= wire.ACK.size and len(acks) < SETTLE_BATCH:
+                    acks.append(_read_ack(stream, mac))
+                self._settle(acks)
         except Exception as exc:  # the connection ended or broke its promise: reconnect
             if not isinstance(exc, (OSError, ProtocolError)):
                 self._log_once("acks", logging.ERROR, "unexpected error reading "
@@ -601,13 +591,48 @@ class Channel:
             elif isinstance(exc, ProtocolError):
                 log.warning("thing server at %s:%d: %s", *self.address, exc)
             shutdown(sock)  # wakes the sender thread if it is blocked in a send
-            with self._lock:  # or if it is waiting for the next capture
+            with self._mutex:  # or if it is waiting for the next capture
                 self._lost = True
                 self._lock.notify_all()
 
+    def _settle(self, acks: list[tuple[int, int, int, bytes]]) -> None:
+        """Resolve the handles of acknowledged frames, in order; ProtocolError (after
+        resolving those before it) for an ack that is not for the oldest frame in flight."""
+        settled: list[tuple[Pending, int | None, str | None]] = []
+        broken = None
+        with self._mutex:
+            inflight, room = self._inflight, self._room
+            for status, seq, capture_id, message in acks:
+                oldest = next(iter(inflight), None)
+                if seq == wire.SEQ_OLDEST_UNANSWERED and oldest is not None:
+                    seq = oldest
+                elif seq != oldest:
+                    broken = ProtocolError(f"the server acknowledged frame {seq} while {oldest} "
+                                           "was the oldest unanswered one")
+                    break
+                pending = inflight.pop(seq, None)
+                if pending is None:
+                    continue
+                if status != wire.ACK_STORED:
+                    text = wire.printable(message.decode("utf-8", "replace"))
+                    settled.append((pending, None, f"refused by the server: {text}"))
+                    continue
+                if pending.unsent is None:  # a notice is not a capture
+                    room.stored += 1
+                settled.append((pending, capture_id, None))
+            if settled:
+                room.give_back(sum(pending.payload.nbytes for pending, _, _ in settled),
+                               len(settled))
+        for pending, capture_id, error in settled:
+            pending.handle.resolve(capture_id, error)
+            if error is not None:
+                log.debug("capture %r not stored: %s", pending.name, error)
+        if broken is not None:
+            raise broken
+
     def _finish(self, seq: int, capture_id: int | None, error: str | None,
                 reason: str | None) -> None:
-        with self._lock:
+        with self._mutex:
             pending = self._inflight.pop(seq, None)
             if pending is None:
                 return
@@ -621,7 +646,7 @@ class Channel:
             log.debug("capture %r not stored: %s", pending.name, error)
 
     def _fail_inflight(self, reason: str, error: str) -> None:
-        with self._lock:
+        with self._mutex:
             seqs = list(self._inflight)
         for seq in seqs:
             self._finish(seq, None, error, reason)
@@ -631,6 +656,18 @@ class Channel:
         if key not in self._warned and len(self._warned) < 1000:
             self._warned.add(key)
             log.log(level, message, *args, exc_info=exc_info)
+
+
+def _read_ack(stream: StreamReader, mac: auth.SessionMac | None
+              ) -> tuple[int, int, int, bytes]:
+    """One acknowledgement: ``(status, seq, capture_id, message)``, its signature checked."""
+    prefix = stream.read(wire.ACK.size)
+    status, length, seq, capture_id = wire.decode_ack(prefix)
+    message = stream.read(length) if length else b""
+    if mac is not None and not mac.check(stream.read(auth.MAC_BYTES), prefix, message):
+        raise ProtocolError("an acknowledgement's signature does not match: it did not come "
+                            "from the server that proved the token")
+    return status, seq, capture_id, message
 
 
 def _trailer(mac: auth.SessionMac | None, prefix: bytes, header: bytes,

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import auth, shm, wire
 from ._core import send_buffers
-from .arrays import LeafSpec
+from .arrays import CARRIER_DTYPES, LeafSpec
 from .buffers import ReceiveBuffers
 from .channel import NOT_DELIVERED_REASONS, SMALL_BYTES
 from .errors import HandshakeError, LimitExceeded, ProtocolError
@@ -142,7 +142,7 @@ class Connection:
         self._poller.register(sock, select.POLLIN)
         self._deadline = _ReadDeadline(settings.deadlines, sock, settings.idle_timeout)
         self._stream = StreamReader(sock, before_wait=self._deadline.start)
-        self._headers: dict[bytes, wire.FrameHeader] = {}  # raw header -> validated
+        self._headers: dict[bytes, _KnownHeader] = {}  # raw header -> what it tells
         self._headers_cost = 0
 
     @property
@@ -317,22 +317,22 @@ class Connection:
         raw_header = self._recv_header(header_len)
         if signature is not None:
             signature.update(raw_header)
-        header = self._headers.get(raw_header)
+        known = self._headers.get(raw_header)
         with _Charge(settings.store, settings.header_budget) as charge:
             try:
-                if header is None:
-                    header = self._validate_header(raw_header, payload_len, charge)
+                if known is None:
+                    known = self._validate_header(raw_header, payload_len, charge)
                 else:
-                    wire.check_payload_length(header, payload_len)
+                    wire.check_payload_length(known.header, payload_len)
                 del raw_header
                 charge.reserve(payload_len)
             except LimitExceeded as exc:
                 return self._skip(payload_in_stream, signature, seq,
-                                  None if header is None else header.name, exc)
+                                  None if known is None else known.name, exc)
             try:
-                capture = self._receive_payload(prefix, header, fds, signature, charge)
+                capture = self._receive_payload(prefix, known, fds, signature, charge)
             except LimitExceeded as exc:  # the whole frame was read: still in step
-                settings.warn(self.address, f"refused {header.name!r} from {self.address}: {exc}")
+                settings.warn(self.address, f"refused {known.name!r} from {self.address}: {exc}")
                 settings.counts.add(dropped_transfers=1)
                 return wire.encode_ack(seq, -1, str(exc))
         if capture is None:  # a notice, not a capture
@@ -340,7 +340,7 @@ class Connection:
         settings.counts.add(received=1)
         return wire.encode_ack(seq, capture.id)
 
-    def _validate_header(self, raw: bytes, payload_len: int, charge: _Charge) -> wire.FrameHeader:
+    def _validate_header(self, raw: bytes, payload_len: int, charge: _Charge) -> _KnownHeader:
         """Parse and check a header not seen before; keep it if it is short and there is room.
 
         While the frame lasts, its header (the bytes, and what parsing them makes) is
@@ -350,14 +350,15 @@ class Connection:
         """
         cost = wire.header_cost(raw, self.settings.limits)
         charge.hold_header(cost)
-        header = wire.decode_header(raw, payload_len, self.settings.limits)
+        header = _KnownHeader.of(wire.decode_header(raw, payload_len, self.settings.limits),
+                                 self.sender)
         if (len(raw) <= CACHED_HEADER_MAX and self._headers_cost + cost <= HEADER_CACHE_BYTES
                 and self.settings.header_budget.take_spare(cost)):
             self._headers[raw] = header
             self._headers_cost += cost
         return header
 
-    def _receive_payload(self, prefix: wire.FramePrefix, header: wire.FrameHeader,
+    def _receive_payload(self, prefix: wire.FramePrefix, known: _KnownHeader,
                          fds: list[int], signature: Any, charge: _Charge) -> Capture | None:
         """Receive a frame's arrays and trailer, charging the store as the bytes arrive.
 
@@ -365,20 +366,28 @@ class Connection:
         could not send (``meta["unsent"]``), which the store records instead.
         """
         settings = self.settings
+        header = known.header
         payload_len = prefix.payload_len
         trailer = bytearray(self._trailer_size)
         if fds:  # a shared-memory frame: its bytes are all there already
             charge.fill(payload_len)
             arrays = self._adopt(fds.pop(), header.leaves)
             self._stream.read_into([trailer])
+        elif payload_len < SMALL_BYTES and (
+                here := self._stream.take(payload_len + self._trailer_size)) is not None:
+            # Read ahead with frames before it: copied out, one numpy call per array.
+            charge.fill(payload_len)
+            arrays = _arrays_of(header.leaves, here)
+            trailer[:] = here[payload_len:]
         else:
             if payload_len >= SMALL_BYTES:
                 self._flush_acks()  # the frames before this one need not wait for its payload
             arrays = [settings.buffers.array(spec) for spec in header.leaves]
             views = [array.reshape(-1).view(np.uint8) for array in arrays if array.nbytes]
-            batches = _batches(views, RECEIVE_CHUNK)
+            # Evicting only as bytes come: a claim alone costs the history nothing.
+            batches = [views] if payload_len <= RECEIVE_CHUNK else _batches(views, RECEIVE_CHUNK)
             for number, batch in enumerate(batches, 1):
-                charge.fill(sum(view.nbytes for view in batch))  # evicts only as bytes come
+                charge.fill(sum(view.nbytes for view in batch))
                 self._stream.read_into([*batch, trailer] if number == len(batches) else batch)
         modified = self._check_trailer(trailer, signature)
         if self._stream.descriptors_waiting and not self._stream.buffered:
@@ -386,22 +395,20 @@ class Connection:
             # one still waiting came with this frame or before it, and no frame takes it.
             raise ProtocolError("a frame came with more descriptors than it carries")
         wire.check_received(header.tree, arrays)
-        meta = header.meta
-        sender = _sender_of(meta, self.sender)
-        undelivered = _undelivered_of(meta)
-        if undelivered:
-            settings.store.note_undelivered(sender, undelivered)
-        if "unsent" in meta:
-            settings.store.note_unsent(_notice_of(header, sender))
+        if known.undelivered:
+            settings.store.note_undelivered(known.sender, known.undelivered)
+        if known.notice:
+            settings.store.note_unsent(_notice_of(header, known.sender))
             return None
         capture = settings.store.add(
-            None if header.name is None else wire.printable(header.name),
+            known.name,
             wire.ReceivedValue(header.tree, header.leaves, arrays),
             header.leaves,
             payload_len,
-            sender,
+            known.sender,
+            known.record_bytes,
             caught_at=prefix.caught_at,
-            call_site=_str_or(meta.get("site")),
+            call_site=known.call_site,
             consistent=not modified,
         )
         charge.stored(payload_len)
@@ -493,6 +500,28 @@ class Connection:
     def _discard(self, size: int, signature: Any = None) -> None:
         """Read and drop ``size`` bytes (feeding them to ``signature``, if given)."""
         self._stream.skip(size, None if signature is None else signature.update)
+
+
+@dataclass(frozen=True)
+class _KnownHeader:
+    """What a validated header tells its connection, worked out once for all its frames."""
+
+    header: wire.FrameHeader
+    name: str | None  # printable
+    sender: Sender  # the connection's, with the rank the header gives
+    undelivered: dict[str, int]
+    call_site: str | None
+    notice: bool  # a notice of a capture that could not be sent, not a capture
+    record_bytes: int  # what the store charges for a capture of it, beyond its arrays
+
+    @classmethod
+    def of(cls, header: wire.FrameHeader, connection: Sender) -> _KnownHeader:
+        meta = header.meta
+        name = None if header.name is None else wire.printable(header.name)
+        call_site = _str_or(meta.get("site"))
+        return cls(header, name, _sender_of(meta, connection), _undelivered_of(meta), call_site,
+                   "unsent" in meta, HistoryStore.record_bytes(
+                       name, wire.ReceivedValue(header.tree, header.leaves, []), call_site))
 
 
 class _ReadDeadline:
@@ -593,6 +622,17 @@ class _Charge:
         """``nbytes`` now belong to a stored capture: the store keeps them, not this frame."""
         self.reserved -= nbytes
         self.filled -= nbytes
+
+
+def _arrays_of(specs: tuple[LeafSpec, ...], data: memoryview) -> list[np.ndarray]:
+    """New arrays of ``specs`` holding the payload ``data``, copied (it is a reused buffer)."""
+    arrays, offset = [], 0
+    for spec in specs:
+        dtype = CARRIER_DTYPES[spec.dtype]
+        count = spec.nbytes // dtype.itemsize
+        arrays.append(np.frombuffer(data, dtype, count, offset).reshape(spec.shape).copy())
+        offset += spec.nbytes
+    return arrays
 
 
 def _batches(views: list[np.ndarray], limit: int) -> list[list[np.ndarray]]:

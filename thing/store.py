@@ -169,7 +169,10 @@ class HistoryStore:
         self.max_versions = config.store_max_versions() if max_versions is None else max_versions
         if self.max_versions is not None and self.max_versions < 1:
             raise ValueError("max_versions must be at least 1 (or None for unlimited)")
-        self._changed = threading.Condition()
+        # Held to read or change anything; _changed is the condition on it that waiters
+        # (get(wait=...), flush) sleep on. Taking the lock itself costs less than the condition.
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
         self._by_id: OrderedDict[int, Capture] = OrderedDict()  # oldest first
         self._by_name: dict[str, deque[Capture]] = {}  # each oldest first
         # hash(identifier_for(name)) -> the kept names, so that get("h_3") finds h[3]. Keyed
@@ -198,7 +201,7 @@ class HistoryStore:
         Raises :class:`LimitExceeded` if they could never fit, or if captures
         still being received have claimed the rest of the cap.
         """
-        with self._changed:
+        with self._lock:
             if nbytes + RECORD_BYTES > self.max_bytes:
                 self.rejected += 1
                 raise LimitExceeded(
@@ -215,7 +218,7 @@ class HistoryStore:
         The history makes room only as a capture's bytes actually come in, so a
         peer that claims much and sends little evicts little.
         """
-        with self._changed:
+        with self._lock:
             while self._held + nbytes > self.max_bytes and self._by_id:
                 self._drop(next(iter(self._by_id.values())))
                 self.evicted += 1
@@ -224,7 +227,7 @@ class HistoryStore:
     def note_undelivered(self, sender: Sender, counts: dict[str, int]) -> None:
         """Record what a sender reports it caught but could not deliver (cumulative counts)."""
         key = (sender.hostname, sender.pid)
-        with self._changed:
+        with self._lock:
             self._undelivered.pop(key, None)
             self._undelivered[key] = counts
             while len(self._undelivered) > 1000:
@@ -233,7 +236,7 @@ class HistoryStore:
     def note_unsent(self, notice: UnsentNotice) -> None:
         """Record a sender's notice that it could not send a capture, and why."""
         key = (notice.name, notice.reason)
-        with self._changed:
+        with self._lock:
             self._unsent.pop(key, None)
             self._unsent[key] = notice
             while len(self._unsent) > MAX_NOTICES:
@@ -241,29 +244,38 @@ class HistoryStore:
 
     def unsent(self, name: str | None = None) -> list[UnsentNotice]:
         """Notices of captures senders could not send (of ``name``, or all), newest first."""
-        with self._changed:
+        with self._lock:
             return [notice for notice in reversed(self._unsent.values())
                     if name is None or notice.name == name]
 
     def release(self, nbytes: int, filled: int) -> None:
         """Give back a claim of ``nbytes`` (``filled`` of them arrived) not stored after all."""
-        with self._changed:
+        with self._lock:
             self._held -= filled
             self._reserved -= nbytes
 
-    def add(self, name: str | None, value: Any, leaves: tuple[LeafSpec, ...], nbytes: int,
-            sender: Sender, **details: Any) -> Capture:
-        """Store a received capture whose ``nbytes`` were reserved and filled; return it."""
-        # Outside the lock: it walks the value. A received one is walked as its header
-        # described it, arrays standing in as empty bytes (their bytes were reserved).
+    @staticmethod
+    def record_bytes(name: str | None, value: Any, call_site: str | None) -> int:
+        """What keeping a capture costs beyond its arrays: its record, the parts of its
+        value that came in the header, its name and call site."""
+        # A received value is walked as its header described it, arrays standing in as
+        # empty bytes (their bytes were reserved as payload).
         if isinstance(value, ReceivedValue):
-            value_bytes = _header_bytes(build_value(value.tree, [b""] * len(leaves)))
-        else:
-            value_bytes = _header_bytes(value)
-        # The name and the call site are held too, as long as the capture is.
-        extra = RECORD_BYTES + value_bytes + sum(
-            _header_bytes(text) for text in (name, details.get("call_site")) if text is not None)
-        with self._changed:
+            value = build_value(value.tree, [b""] * len(value.specs))
+        return RECORD_BYTES + _header_bytes(value) + sum(
+            _header_bytes(text) for text in (name, call_site) if text is not None)
+
+    def add(self, name: str | None, value: Any, leaves: tuple[LeafSpec, ...], nbytes: int,
+            sender: Sender, record_bytes: int | None = None, **details: Any) -> Capture:
+        """Store a received capture whose ``nbytes`` were reserved and filled; return it.
+
+        ``record_bytes`` is :meth:`record_bytes` for it, when the caller knows it already
+        (a receiver works it out once per header).
+        """
+        # Outside the lock: it walks the value.
+        extra = (self.record_bytes(name, value, details.get("call_site"))
+                 if record_bytes is None else record_bytes)
+        with self._lock:
             if nbytes + extra > self.max_bytes:
                 # Values that came in the header were not reserved; alone they may not fit.
                 self.rejected += 1
@@ -330,7 +342,7 @@ class HistoryStore:
         ``index=0`` is the newest, ``1`` the one before; negative indices count
         from the oldest (``-1`` is the oldest kept).
         """
-        with self._changed:
+        with self._lock:
             if isinstance(key, numbers.Integral) and not isinstance(key, bool):
                 if int(key) not in self._by_id:
                     raise UnknownName(f"no capture with id {key} (evicted, cleared or never "
@@ -345,7 +357,7 @@ class HistoryStore:
 
     def get_all(self, name: str, rank: int | None = None) -> list[Capture]:
         """Every kept capture of ``name``, oldest to newest."""
-        with self._changed:
+        with self._lock:
             return self._history(name, rank)
 
     def _history(self, name: str, rank: int | None) -> list[Capture]:
@@ -396,29 +408,29 @@ class HistoryStore:
 
     def names(self) -> list[str]:
         """Names with at least one kept capture, in order of their first arrival."""
-        with self._changed:
+        with self._lock:
             return list(self._by_name)
 
     def latest(self) -> list[Capture]:
         """The newest capture of every name, plus unnamed ones, oldest first."""
-        with self._changed:
+        with self._lock:
             named = [history[-1] for history in self._by_name.values()]
             unnamed = [capture for capture in self._by_id.values() if capture.name is None]
             return sorted(named + unnamed, key=lambda capture: capture.id)
 
     def recent(self, count: int) -> list[Capture]:
         """The ``count`` most recent captures, newest first."""
-        with self._changed:
+        with self._lock:
             return list(islice(reversed(self._by_id.values()), max(count, 0)))
 
     def versions(self, name: str) -> int:
         """How many versions of ``name`` are kept."""
-        with self._changed:
+        with self._lock:
             return len(self._by_name.get(name, ()))
 
     def overview(self, max_names: int | None = None) -> StoreOverview:
         """For summary(): the ``max_names`` most recently updated names, and counts."""
-        with self._changed:
+        with self._lock:
             recent = reversed(self._updated)
             if max_names is not None:
                 recent = islice(recent, max(max_names, 0))
@@ -447,7 +459,7 @@ class HistoryStore:
     def wait_for_arrival(self, received: int, timeout: float) -> bool:
         """Block until more than ``received`` captures were stored in all, or ``timeout`` passed."""
         deadline = time.monotonic() + timeout
-        with self._changed:
+        with self._lock:
             while self._next_id <= received:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -458,7 +470,7 @@ class HistoryStore:
     def wait(self, name: str, timeout: float | None = None, after: int | None = None) -> Capture:
         """Block until a capture of ``name`` newer than id ``after`` (default: now) arrives."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._changed:
+        with self._lock:
             if after is None:
                 after = self._next_id - 1
             while True:
@@ -478,7 +490,7 @@ class HistoryStore:
 
     def clear(self, name: str | None = None) -> int:
         """Forget one name's history, or everything; return how many captures were dropped."""
-        with self._changed:
+        with self._lock:
             if name is None:
                 dropped = list(self._by_id.values())
                 self._unsent.clear()

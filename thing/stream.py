@@ -59,6 +59,15 @@ class StreamReader:
         self._start = start + size
         return bytes(self._view[start:start + size])
 
+    def take(self, size: int) -> memoryview | None:
+        """The next ``size`` bytes, consumed, if they are already here (else None, nothing
+        consumed): a view of the buffer, valid until the next read."""
+        start = self._start
+        if self._end - start < size:
+            return None
+        self._start = start + size
+        return self._view[start:start + size]
+
     def read_into(self, views: list[Any]) -> None:
         """Fill each writable flat byte buffer in order: what is buffered first, then the
         rest straight from the socket (or through the buffer, when it all fits there)."""
