@@ -17,6 +17,7 @@ told that a capture the server kept was lost.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import socket
@@ -228,8 +229,10 @@ class Connection:
                     break
                 # Frames that arrived together are answered together: one send, and
                 # one wake-up of the client's reader, per batch.
+                # Bytes read ahead are the next frame under way: its sender sends it whole
+                # without waiting for answers (and one with a large payload flushes first).
                 if len(self._acks) >= ACK_BATCH or not (
-                        self._frame_buffered() or self._poller.poll(0)):
+                        self._stream.buffered or self._poller.poll(0)):
                     self._flush_acks()
         except ProtocolError as exc:
             # The stream can no longer be followed: answer the frame, then hang up.
@@ -251,16 +254,6 @@ class Connection:
             if self._poller.poll(1000):
                 return True
         return False
-
-    def _frame_buffered(self) -> bool:
-        """Whether the next frame has arrived whole (so reading it waits for nothing)."""
-        prefix = self._stream.peek(wire.FRAME_PREFIX.size)
-        if prefix is None:
-            return False
-        _, kind, header_len, payload_len, _, _ = wire.FRAME_PREFIX.unpack(prefix)
-        in_stream = 0 if kind == wire.KIND_SHARED_MEMORY else payload_len
-        return self._stream.buffered >= (
-            wire.FRAME_PREFIX.size + header_len + in_stream + self._trailer_size)
 
     def _receive_frame(self) -> bool:
         """Receive one frame and queue its acknowledgement; False if the peer closed cleanly."""
@@ -377,7 +370,7 @@ class Connection:
                 here := self._stream.take(payload_len + self._trailer_size)) is not None:
             # Read ahead with frames before it: copied out, one numpy call per array.
             charge.fill(payload_len)
-            arrays = _arrays_of(header.leaves, here)
+            arrays = _arrays_of(known.layout, here)
             trailer[:] = here[payload_len:]
         else:
             if payload_len >= SMALL_BYTES:
@@ -394,7 +387,8 @@ class Connection:
             # A descriptor comes with its frame's first bytes: with none left to read,
             # one still waiting came with this frame or before it, and no frame takes it.
             raise ProtocolError("a frame came with more descriptors than it carries")
-        wire.check_received(header.tree, arrays)
+        if known.sparse:
+            wire.check_received(header.tree, arrays)
         if known.undelivered:
             settings.store.note_undelivered(known.sender, known.undelivered)
         if known.notice:
@@ -513,15 +507,21 @@ class _KnownHeader:
     call_site: str | None
     notice: bool  # a notice of a capture that could not be sent, not a capture
     record_bytes: int  # what the store charges for a capture of it, beyond its arrays
+    sparse: bool  # whether its received arrays need checking (wire.check_received)
+    # Per array: its carrier dtype, element count and shape, to build it from bytes.
+    layout: tuple[tuple[np.dtype, int, tuple[int, ...]], ...]
 
     @classmethod
     def of(cls, header: wire.FrameHeader, connection: Sender) -> _KnownHeader:
         meta = header.meta
         name = None if header.name is None else wire.printable(header.name)
         call_site = _str_or(meta.get("site"))
+        layout = tuple((CARRIER_DTYPES[spec.dtype], math.prod(spec.shape), spec.shape)
+                       for spec in header.leaves)
         return cls(header, name, _sender_of(meta, connection), _undelivered_of(meta), call_site,
                    "unsent" in meta, HistoryStore.record_bytes(
-                       name, wire.ReceivedValue(header.tree, header.leaves, []), call_site))
+                       name, wire.ReceivedValue(header.tree, header.leaves, []), call_site),
+                   wire.holds_sparse(header.tree), layout)
 
 
 class _ReadDeadline:
@@ -624,14 +624,13 @@ class _Charge:
         self.filled -= nbytes
 
 
-def _arrays_of(specs: tuple[LeafSpec, ...], data: memoryview) -> list[np.ndarray]:
-    """New arrays of ``specs`` holding the payload ``data``, copied (it is a reused buffer)."""
+def _arrays_of(layout: tuple[tuple[np.dtype, int, tuple[int, ...]], ...],
+               data: memoryview) -> list[np.ndarray]:
+    """New arrays of ``layout`` holding the payload ``data``, copied (it is a reused buffer)."""
     arrays, offset = [], 0
-    for spec in specs:
-        dtype = CARRIER_DTYPES[spec.dtype]
-        count = spec.nbytes // dtype.itemsize
-        arrays.append(np.frombuffer(data, dtype, count, offset).reshape(spec.shape).copy())
-        offset += spec.nbytes
+    for dtype, count, shape in layout:
+        arrays.append(np.frombuffer(data, dtype, count, offset).reshape(shape).copy())
+        offset += count * dtype.itemsize
     return arrays
 
 

@@ -173,6 +173,7 @@ class HistoryStore:
         # (get(wait=...), flush) sleep on. Taking the lock itself costs less than the condition.
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
+        self._sleepers = 0  # threads in _sleep: an arrival wakes them, and only if there are
         self._by_id: OrderedDict[int, Capture] = OrderedDict()  # oldest first
         self._by_name: dict[str, deque[Capture]] = {}  # each oldest first
         # hash(identifier_for(name)) -> the kept names, so that get("h_3") finds h[3]. Keyed
@@ -309,7 +310,8 @@ class HistoryStore:
                 oldest = next(iter(self._by_id.values()))
                 self._drop(oldest)
                 self.evicted += 1
-            self._changed.notify_all()
+            if self._sleepers:
+                self._changed.notify_all()
             return capture
 
     def _drop(self, capture: Capture) -> None:
@@ -464,7 +466,7 @@ class HistoryStore:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self._changed.wait(remaining)
+                self._sleep(remaining)
             return True
 
     def wait(self, name: str, timeout: float | None = None, after: int | None = None) -> Capture:
@@ -486,7 +488,15 @@ class HistoryStore:
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"no new capture of {name!r} within {timeout} s")
                 # Wake at least once a second so Ctrl+C is handled promptly in a REPL.
-                self._changed.wait(1.0 if remaining is None else min(remaining, 1.0))
+                self._sleep(1.0 if remaining is None else min(remaining, 1.0))
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait (the caller holds the lock) until a capture arrives or ``seconds`` pass."""
+        self._sleepers += 1
+        try:
+            self._changed.wait(seconds)
+        finally:
+            self._sleepers -= 1
 
     def clear(self, name: str | None = None) -> int:
         """Forget one name's history, or everything; return how many captures were dropped."""

@@ -12,6 +12,7 @@ import json
 import math
 import struct
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -621,6 +622,18 @@ def check_received(tree: Any, arrays: list[Any]) -> None:
     Raises :class:`ProtocolError`; the receiver refuses the frame rather than
     store a value the REPL could not build.
     """
+    for body in _sparse_bodies(tree):
+        layout = body["layout"]
+        parts = {name: arrays[body[name]["leaf"]] for name in SPARSE_LAYOUTS[layout].parts}
+        check_sparse_indices(SparseParts(layout, body["size"], parts, body.get("coalesced")))
+
+
+def holds_sparse(tree: Any) -> bool:
+    """Whether a validated tree holds a sparse tensor (so :func:`check_received` has work)."""
+    return next(_sparse_bodies(tree), None) is not None
+
+
+def _sparse_bodies(tree: Any) -> Iterator[dict[str, Any]]:
     stack = [tree]
     while stack:
         node = stack.pop()
@@ -628,9 +641,7 @@ def check_received(tree: Any, arrays: list[Any]) -> None:
             continue
         ((tag, body),) = node.items()
         if tag == "sparse":
-            layout = body["layout"]
-            parts = {name: arrays[body[name]["leaf"]] for name in SPARSE_LAYOUTS[layout].parts}
-            check_sparse_indices(SparseParts(layout, body["size"], parts, body.get("coalesced")))
+            yield body
         elif tag in ("list", "tuple"):
             stack.extend(body)
         elif tag == "dict":
