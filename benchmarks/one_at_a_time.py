@@ -17,13 +17,18 @@ over every capture of every trial, with the best beside it.
 - ``raw-unix-huge``: the same, the fresh memory mapped and advised
   ``MADV_HUGEPAGE`` as thing's server does (first touch of fresh pages is
   most of the cost on a VM): the baseline given the same advantage.
-- ``thing``: the same-host default (Unix socket, compiled core), a server in
-  another process keeping its history as a user's does (every capture kept, a
-  new name each time, no ``max_versions``); the last capture of each trial is
-  checked bit-exact.
+- ``thing`` / ``thing-py``: the same-host default (Unix socket) with the
+  compiled core and with its pure-Python twin, a server in another process
+  keeping its history as a user's does (every capture kept, a new name each
+  time, no ``max_versions``); the last capture of each trial is checked
+  bit-exact.
+- ``thing-busy`` / ``thing-py-busy``: the same while another thread of the
+  catching process runs a pure-Python loop, as a training job's main thread
+  does between its calls: the sender thread must win the GIL back to move
+  each chunk, unless the core moves it without the GIL.
 
-Trials alternate between the methods; both receivers drop what they kept
-between trials, so memory stays bounded.
+Trials rotate through the methods; every receiver drops what it kept between
+trials, so memory stays bounded.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -45,8 +51,7 @@ from _common import child_env, median  # noqa: E402
 SOCKET_BUFFER = 4 << 20  # what thing.sockets gives its Unix sockets
 
 RAW_RECEIVER = """
-import socket, sys, numpy as np
-import mmap
+import mmap, socket, sys, numpy as np
 path, buffer, huge = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "huge"
 
 
@@ -91,6 +96,42 @@ for line in sys.stdin:
     server.clear()
 """
 
+# Times each capture it is told to make; "busy" keeps a pure-Python loop running meanwhile.
+THING_SENDER = """
+import json, sys, threading, time, zlib, numpy as np, thing
+client = thing.Client("127.0.0.1", int(sys.argv[1]))
+assert client.catch(np.zeros(4), name="warm").wait(10)
+print("ready", flush=True)
+trial = 0
+for line in sys.stdin:
+    size, count, busy = line.split()
+    array = np.random.default_rng(int(size)).integers(0, 255, int(size), dtype=np.uint8)
+    stop = threading.Event()
+
+    def spin():
+        spins = 0
+        while not stop.is_set():
+            spins += 1
+
+    spinner = threading.Thread(target=spin)
+    if busy == "1":
+        spinner.start()
+    trial += 1
+    seconds = []
+    for i in range(int(count)):
+        array[-1] = i
+        name = f"w{trial}_{i}"
+        started = time.perf_counter()
+        handle = client.catch(array, name=name)
+        assert handle.wait(120), handle.error
+        seconds.append(time.perf_counter() - started)
+    stop.set()
+    if busy == "1":
+        spinner.join()
+    print(json.dumps([seconds, name, zlib.crc32(array.tobytes())]), flush=True)
+client.close()
+"""
+
 
 class RawUnix:
     def __init__(self, huge: bool) -> None:
@@ -124,40 +165,34 @@ class RawUnix:
 
 
 class Thing:
-    def __init__(self) -> None:
-        import thing
-
-        self.child = subprocess.Popen([sys.executable, "-c", THING_RECEIVER],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                      env=child_env())
-        self.client = thing.Client("127.0.0.1", int(self.child.stdout.readline()))
-        assert self.client.catch(np.zeros(4), name="warm").wait(10)
-        self.trials = 0
+    def __init__(self, busy: bool, **env: str) -> None:
+        self.busy = busy
+        self.server = subprocess.Popen([sys.executable, "-c", THING_RECEIVER],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                       env=child_env())
+        port = self.server.stdout.readline().strip()
+        self.sender = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(THING_SENDER), port],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(**env))
+        assert self.sender.stdout.readline().strip() == "ready"
 
     def trial(self, array: np.ndarray, count: int) -> list[float]:
-        import zlib
+        import json
 
-        seconds = []
-        self.trials += 1
-        for i in range(count):
-            array[-1] = i
-            name = f"w{self.trials}_{i}"
-            started = time.perf_counter()
-            handle = self.client.catch(array, name=name)
-            if not handle.wait(120):
-                raise RuntimeError(handle.error)
-            seconds.append(time.perf_counter() - started)
-        self.child.stdin.write(name + "\n")
-        self.child.stdin.flush()
-        crc, kept = self.child.stdout.readline().split()
-        if int(crc) != zlib.crc32(array.tobytes()) or int(kept) < count:
+        self.sender.stdin.write(f"{array.nbytes} {count} {int(self.busy)}\n")
+        self.sender.stdin.flush()
+        seconds, name, crc = json.loads(self.sender.stdout.readline())
+        self.server.stdin.write(name + "\n")
+        self.server.stdin.flush()
+        kept_crc, kept = self.server.stdout.readline().split()
+        if int(kept_crc) != crc or int(kept) < count:
             raise RuntimeError(f"thing's server kept {kept} of {count}, or not bit-exact")
         return seconds
 
     def close(self) -> None:
-        self.client.close()
-        self.child.stdin.close()
-        self.child.wait()
+        for child in (self.sender, self.server):
+            child.stdin.close()
+            child.wait()
 
 
 def main() -> int:
@@ -169,25 +204,30 @@ def main() -> int:
     sizes = {16 << 20: 8 if args.quick else 24, 256 << 20: 2 if args.quick else 4}
     _common.print_machine("large captures, one at a time")
     methods = {"raw-unix": RawUnix(huge=False), "raw-unix-huge": RawUnix(huge=True),
-               "thing": Thing()}
+               "thing": Thing(False), "thing-py": Thing(False, THING_PUREPYTHON="1"),
+               "thing-busy": Thing(True), "thing-py-busy": Thing(True, THING_PUREPYTHON="1")}
     print(f"\neach capture timed alone, {trials} trials; MB/s = array bytes / seconds per "
           "capture; x raw: median against each raw baseline\n")
-    print(f"{'size':>8} {'method':<14}{'median MB/s':>12}{'best MB/s':>11}"
+    print(f"{'size':>8} {'method':<15}{'median MB/s':>12}{'best MB/s':>11}"
           f"{'median ms':>11}{'x raw':>8}{'x huge':>8}")
     try:
         for size, count in sizes.items():
             array = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
             times: dict[str, list[float]] = {key: [] for key in methods}
+            keys = list(methods)
             for trial in range(trials):
-                order = list(methods)[trial % 3:] + list(methods)[:trial % 3]
-                for key in order:
+                for key in keys[trial % len(keys):] + keys[:trial % len(keys)]:
                     times[key] += methods[key].trial(array, count)
             plain, huge = (median(times[key]) for key in ("raw-unix", "raw-unix-huge"))
             for key, seconds in times.items():
                 typical, best = median(seconds), min(seconds)
-                print(f"{size >> 20:>6}Mi {key:<14}{size / typical / 1e6:>12,.0f}"
+                print(f"{size >> 20:>6}Mi {key:<15}{size / typical / 1e6:>12,.0f}"
                       f"{size / best / 1e6:>11,.0f}{typical * 1e3:>11.1f}"
                       f"{plain / typical:>8.2f}{huge / typical:>8.2f}")
+            idle = median(times["thing-py"]) / median(times["thing"])
+            busy = median(times["thing-py-busy"]) / median(times["thing-busy"])
+            print(f"{'':>9}compiled core / twin: {idle:.2f}x idle, {busy:.2f}x with a busy "
+                  "Python thread")
     finally:
         for method in methods.values():
             method.close()

@@ -21,6 +21,12 @@ receiver keeps every message, in order, and the last one is checked bit-exact.
 - ``fan-in``: 32 client processes × 2,000 captures each (``block=True``) into
   one thing server, started together; aggregate rate from the first process
   started to the last one's last acknowledgement, every capture counted.
+- ``paced``: a training loop's pace instead of a flood: one capture every
+  1/50 s and every 1/5,000 s, on a schedule, and the CPU it costs outside the
+  caller's thread: the client process's other threads (its process CPU less
+  the calling thread's) and the whole server process (``/proc/PID/stat``),
+  per capture. Idle wake-ups between captures count; so does the Python
+  import and handshake, which happen before the clock starts.
 
 Trials of the one-client methods are interleaved (round robin) so drifting
 load hits them alike; the table shows the median and best trial, and each
@@ -42,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import child_env, median  # noqa: E402
+from _common import child_env, cpu_seconds, median  # noqa: E402
 
 VALUE = np.arange(4, dtype=np.float32)
 
@@ -235,6 +241,35 @@ def fan_in(clients: int, each: int) -> tuple[float, int]:
     return kept / elapsed, kept
 
 
+def paced(rate: float, count: int) -> tuple[float, float]:
+    """Background CPU per capture at ``rate`` captures/s: (client's other threads, server), µs."""
+    import thing
+
+    server = subprocess.Popen([sys.executable, "-c", THING_RECEIVER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=child_env())
+    client = thing.Client("127.0.0.1", int(server.stdout.readline()))
+    try:
+        assert client.catch(VALUE, name="warm").wait(10)
+        process, caller, served = time.process_time(), time.thread_time(), cpu_seconds(server.pid)
+        due = time.perf_counter()
+        for _ in range(count):
+            handle = client.catch(VALUE, name="p")
+            due += 1 / rate
+            pause = due - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+        if not handle.wait(60):
+            raise RuntimeError(handle.error)
+        caller = time.thread_time() - caller
+        background = time.process_time() - process - caller
+        served = cpu_seconds(server.pid) - served
+    finally:
+        client.close()
+        server.stdin.close()
+        server.wait()
+    return background / count * 1e6, served / count * 1e6
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5,000 captures, 2 trials")
@@ -273,6 +308,13 @@ def main() -> int:
     rate, kept = fan_in(clients, each)
     print(f"fan-in: {clients} processes x {each} captures: {rate:,.0f} captures/s aggregate, "
           f"{kept} of {clients * each} stored")
+    print("\npaced, CPU outside the caller's thread per capture (µs):")
+    print(f"{'rate /s':>9}{'captures':>10}{'client':>9}{'server':>9}{'together':>10}")
+    for pace, captures in ((50, 500 if args.quick else 3_000),
+                           (5_000, 2_000 if args.quick else 20_000)):
+        client_us, server_us = paced(pace, captures)
+        print(f"{pace:>9,}{captures:>10,}{client_us:>9.1f}{server_us:>9.1f}"
+              f"{client_us + server_us:>10.1f}")
     return 0 if kept == clients * each else 1
 
 

@@ -229,10 +229,8 @@ class Connection:
                     break
                 # Frames that arrived together are answered together: one send, and
                 # one wake-up of the client's reader, per batch.
-                # Bytes read ahead are the next frame under way: its sender sends it whole
-                # without waiting for answers (and one with a large payload flushes first).
                 if len(self._acks) >= ACK_BATCH or not (
-                        self._stream.buffered or self._poller.poll(0)):
+                        self._frame_buffered() or self._poller.poll(0)):
                     self._flush_acks()
         except ProtocolError as exc:
             # The stream can no longer be followed: answer the frame, then hang up.
@@ -254,6 +252,16 @@ class Connection:
             if self._poller.poll(1000):
                 return True
         return False
+
+    def _frame_buffered(self) -> bool:
+        """Whether the next frame has arrived whole (so reading it waits for nothing)."""
+        prefix = self._stream.peek(wire.FRAME_PREFIX.size)
+        if prefix is None:
+            return False
+        _, kind, header_len, payload_len, _, _ = wire.FRAME_PREFIX.unpack(prefix)
+        in_stream = 0 if kind == wire.KIND_SHARED_MEMORY else payload_len
+        return self._stream.buffered >= (
+            wire.FRAME_PREFIX.size + header_len + in_stream + self._trailer_size)
 
     def _receive_frame(self) -> bool:
         """Receive one frame and queue its acknowledgement; False if the peer closed cleanly."""
