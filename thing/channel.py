@@ -149,7 +149,6 @@ class Channel:
         self._notices = False  # whether the server takes notices of unsent captures
         self._told: set[tuple[str | None, str]] = set()  # notices sent on this connection
         self._headers: dict[tuple[Any, ...], bytes] = {}  # see _header
-        self._last_caught = 0.0  # when the newest capture sent so far was caught (see _gather)
         self._lost = False  # the reader saw the connection end; the sender must reconnect
         self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
         self._closed = False
@@ -431,7 +430,6 @@ class Channel:
                     raise ConnectionResetError("the server closed the connection")
                 self._gather()
                 batch = []
-                self._last_caught = self._queue[-1].caught_at
                 while self._queue:
                     pending = self._queue.popleft()
                     seq = next(self._seq)
@@ -445,11 +443,8 @@ class Channel:
 
         A loop that catches a scalar every step then costs the sender one
         wake-up per batch instead of one per capture; a large capture, a long
-        queue or closing ends the wait at once. Captures further apart than the
-        wait itself would find no company: it would cost a wake-up of its own.
+        queue or closing ends the wait at once.
         """
-        if self._queue[0].caught_at - self._last_caught > GATHER_SECONDS:
-            return
         deadline = time.monotonic() + GATHER_SECONDS
         while (
             not self._closed
