@@ -162,9 +162,14 @@ class Child:
             self.proc.wait()
 
 
-def start_thing_server(**env: str) -> tuple[Child, int]:
-    """Start ``thing.Server(port=0)`` in a child process; return it and its port."""
-    child = Child([__file__, "thing-server"], child_env(**env))
+def start_thing_server(history: bool = False, **env: str) -> tuple[Child, int]:
+    """Start ``thing.Server(port=0)`` in a child process; return it and its port.
+
+    With ``history`` its store keeps every capture, as a user's does; without, one
+    version per name, so that a long run holds at most one array of each size.
+    """
+    child = Child([__file__, "thing-server", *(["--history"] if history else [])],
+                  child_env(**env))
     line = child.readline()
     if not line.startswith("PORT "):
         raise RuntimeError(f"thing server child said {line!r}")
@@ -223,11 +228,11 @@ def memory_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _serve_thing() -> None:
+def _serve_thing(history: bool) -> None:
     import thing
 
-    # Keep one version per name so a long run holds at most one array of each size.
-    server = thing.Server(port=0, store=thing.HistoryStore(max_versions=1)).start()
+    store = thing.HistoryStore(max_versions=None if history else 1)
+    server = thing.Server(port=0, store=store).start()
     print(f"PORT {server.port}", flush=True)
     for line in sys.stdin:
         words = line.split()
@@ -255,11 +260,15 @@ def _answer(server: Any, words: list[str]) -> dict[str, Any]:
         return {"name": words[1], "pages": len(pages), "sum": int(pages.sum())}
     if words[0] == "clear":
         return {"dropped": server.clear()}
+    if words[0] == "forget":  # clear, and return the spare receive memory: the next is cold
+        dropped = server.clear()
+        server.buffers.clear()
+        return {"dropped": dropped}
     return {"error": f"unknown command {words[0]!r}"}
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["thing-server"]:
-        _serve_thing()
+    if sys.argv[1:2] == ["thing-server"]:
+        _serve_thing(history=sys.argv[2:] == ["--history"])
     else:
         sys.exit("usage: _common.py thing-server")
