@@ -58,7 +58,7 @@ path, buffer, huge = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "huge"
 def fresh(size):
     if not huge:
         return np.empty(size, np.uint8)
-    memory = mmap.mmap(-1, size)
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     memory.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(memory, np.uint8)
 

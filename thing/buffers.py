@@ -24,6 +24,20 @@ from .arrays import CARRIER_DTYPES, LeafSpec
 POOLED_FROM = 1 << 20
 
 
+def fresh_memory(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of new, private, anonymous memory, huge pages advised where there are any.
+
+    Private, not ``mmap``'s default of shared: shared anonymous memory is shmem,
+    which takes no transparent huge pages on most machines and faults page by
+    page. Measured here (first touch by memcpy): private 5.8–9.9 GB/s, shared
+    1.4–1.5 GB/s, at 16 MiB and 256 MiB alike.
+    """
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return memory
+
+
 class ReceiveBuffers:
     """Hands out arrays to receive into; keeps up to ``max_bytes`` of freed ones for reuse."""
 
@@ -51,9 +65,7 @@ class ReceiveBuffers:
             if memory is not None:
                 self._free_bytes -= nbytes
         if memory is None:
-            memory = mmap.mmap(-1, nbytes)
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                memory.madvise(mmap.MADV_HUGEPAGE)
+            memory = fresh_memory(nbytes)
         flat = np.frombuffer(memory, dtype, nbytes // dtype.itemsize)
         # Every view (a reshape, a slice, a torch tensor) keeps ``flat`` alive: the memory
         # comes back only when the last of them is gone.
