@@ -73,6 +73,10 @@ MAX_TOLD = 1000
 NOT_DELIVERED_REASONS = ("no server", "queue full", "failed", "lost", "closed")
 
 
+# The sender's counts of captures not delivered, by reason, as a frame's header gives them.
+Undelivered = tuple[tuple[str, int], ...]
+
+
 class Pending(NamedTuple):
     """A capture waiting to be sent, or sent and waiting for its acknowledgement."""
 
@@ -459,7 +463,7 @@ class Channel:
 
     def _send_batch(self, sock: socket.socket, mac: auth.SessionMac | None,
                     batch: list[tuple[int, Pending]],
-                    undelivered: tuple[tuple[str, int], ...]) -> None:
+                    undelivered: Undelivered) -> None:
         """Send frames in order: small finished ones together, one vectored write for up to
         COALESCE of them; one that is large, goes by shared memory, or whose end is known
         only once it is sent, by itself."""
@@ -496,7 +500,7 @@ class Channel:
                 flush()
         flush()
 
-    def _encode(self, seq: int, pending: Pending, undelivered: tuple[tuple[str, int], ...]
+    def _encode(self, seq: int, pending: Pending, undelivered: Undelivered
                 ) -> tuple[bytes, bytes, list[Any]] | None:
         """A frame's prefix, header and payload views; None (the capture failed) if a leaf
         cannot be read."""
@@ -511,7 +515,7 @@ class Channel:
             return None
         return wire.encode_prefix(header, payload.nbytes, seq, pending.caught_at), header, views
 
-    def _header(self, pending: Pending, undelivered: tuple[tuple[str, int], ...]) -> bytes:
+    def _header(self, pending: Pending, undelivered: Undelivered) -> bytes:
         """A capture's header: for a single array, the one encoded for the same name,
         layout, call site and rank before (only the prefix changes from call to call)."""
         payload = pending.payload
@@ -527,7 +531,7 @@ class Channel:
         return header
 
     def _send(self, sock: socket.socket, mac: auth.SessionMac | None, seq: int, pending: Pending,
-              undelivered: tuple[tuple[str, int], ...]) -> None:
+              undelivered: Undelivered) -> None:
         """Send one frame by itself: a large one, or one read in place (its trailer says
         whether the data moved on while it was sent, which is known only once it was)."""
         payload = pending.payload
@@ -677,7 +681,7 @@ def _trailer(mac: auth.SessionMac | None, prefix: bytes, header: bytes,
     return trailer if mac is None else trailer + mac.sign(prefix, header, trailer)
 
 
-def _meta(pending: Pending, undelivered: tuple[tuple[str, int], ...]) -> dict[str, Any]:
+def _meta(pending: Pending, undelivered: Undelivered) -> dict[str, Any]:
     meta: dict[str, Any] = {}
     if pending.site is not None:
         site = pending.site

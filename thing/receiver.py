@@ -158,7 +158,7 @@ class Connection:
         sock, settings = self.sock, self.settings
         set_timeouts(sock, settings.idle_timeout, settings.idle_timeout)
         self._deadline.start()
-        prefix = self._recv_exact(wire.HANDSHAKE.size)
+        prefix = self._stream.read(wire.HANDSHAKE.size)
         try:
             _, length = wire.decode_handshake_prefix(prefix)
         except HandshakeError as exc:
@@ -168,10 +168,10 @@ class Connection:
                 self._discard(min(wire.HANDSHAKE.unpack(prefix)[3], wire.MAX_HANDSHAKE_JSON))
                 self._refuse(str(exc))
             raise
-        info = wire.decode_handshake_info(self._recv_exact(length))
-        # Only a client that said so may pass descriptors; every other frame prefix is read
-        # plainly, which costs far less than recvmsg with room for them (the kernel closes
-        # any descriptor sent anyway, and a shared-memory frame without one is refused).
+        info = wire.decode_handshake_info(self._stream.read(length))
+        # Only a client that said so may pass descriptors: from any other they are read
+        # with no room for them, so the kernel closes any sent anyway, and a shared-memory
+        # frame finds none to take and is refused.
         self.takes_descriptors = self.local and info.get("shared_memory") is True
         if self.takes_descriptors:
             self._stream.take_descriptors()
@@ -199,8 +199,8 @@ class Connection:
                      "proof": auth.server_proof(token, client_nonce, server_nonce)}
         send_buffers(self.sock, [wire.encode_handshake(challenge, wire.HANDSHAKE_CHALLENGE)])
         try:
-            _, length = wire.decode_handshake_prefix(self._recv_exact(wire.HANDSHAKE.size))
-            answer = wire.decode_handshake_info(self._recv_exact(length))
+            _, length = wire.decode_handshake_prefix(self._stream.read(wire.HANDSHAKE.size))
+            answer = wire.decode_handshake_info(self._stream.read(length))
         except ConnectionError:
             # A client with another token refuses our proof and hangs up: say so in the REPL.
             raise HandshakeError("a client hung up at the token check (its token differs from "
@@ -495,9 +495,6 @@ class Connection:
         while len(received) < size:
             received += self._stream.read(min(size - len(received), HEADER_CHUNK))
         return bytes(received)
-
-    def _recv_exact(self, size: int) -> bytes:
-        return self._stream.read(size)
 
     def _discard(self, size: int, signature: Any = None) -> None:
         """Read and drop ``size`` bytes (feeding them to ``signature``, if given)."""
