@@ -10,7 +10,9 @@ import errno
 import json
 import os
 import socket
+import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from thing import _core, wire
 from thing._core import fallback
 from thing.errors import ProtocolError
 from thing.receiver import CACHED_HEADER_MAX, HEADER_CACHE_BYTES
+from thing.sockets import set_timeouts
 from thing.stream import BUFFER_BYTES, StreamReader
 
 from .conftest import poll
@@ -201,3 +204,70 @@ def test_the_header_cache_of_a_connection_is_bounded(server: thing.Server) -> No
         assert len(connection._headers) < 1500 and long_header not in connection._headers
         assert server._header_budget._used == connection._headers_cost
     assert len(server.store) == 1501
+
+
+# -- what the review found: descriptors at a refused handshake, acks cut inside a batch -------
+
+
+def test_descriptors_sent_with_a_refused_handshake_are_not_kept(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    tmp_path.chmod(0o700)
+    with thing.Server(port=0, token="t" * 40) as server:
+        assert server.unix_path is not None
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(10):
+            with socket.socket(socket.AF_UNIX) as peer:
+                set_timeouts(peer, 10, 10)  # blocking, as thing's own readers need
+                peer.connect(str(server.unix_path))
+                peer.sendall(wire.encode_handshake({"hostname": "h", "pid": 1, "nonce": "n" * 40,
+                                                    "shared_memory": True}))
+                status, _ = wire.recv_handshake(peer)
+                assert status == wire.HANDSHAKE_CHALLENGE
+                reader, writer = os.pipe()
+                socket.send_fds(peer, [wire.encode_handshake({"proof": "wrong"})],
+                                [reader, writer])
+                os.close(reader)
+                os.close(writer)
+                read_to_end(peer)
+        poll(lambda: len(os.listdir("/proc/self/fd")) <= before and not server.clients(),
+             what="the refused peers' descriptors closed")
+
+
+def test_acks_read_whole_count_when_the_next_one_is_cut_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that stored two frames acknowledges them, and the connection breaks inside
+    the third acknowledgement: the client reports the two as stored, the third as lost."""
+    monkeypatch.setenv("THING_TRANSPORT", "tcp")
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+
+    def pretend_to_be_a_server() -> None:
+        peer, _ = listener.accept()
+        with peer:
+            stream = StreamReader(peer)
+            _, length = wire.decode_handshake_prefix(stream.read(wire.HANDSHAKE.size))
+            stream.read(length)
+            peer.sendall(wire.encode_handshake({"server": "thing", "pid": 1, "notices": True}))
+            seqs = []
+            while len(seqs) < 3:
+                prefix = wire.decode_prefix(stream.read(wire.FRAME_PREFIX.size))
+                stream.skip(prefix.header_len + prefix.payload_len + wire.FRAME_TRAILER.size)
+                seqs.append(prefix.seq)
+            third = wire.encode_ack(seqs[2], -1, "x" * 50)
+            peer.sendall(wire.encode_ack(seqs[0], 100) + wire.encode_ack(seqs[1], 101)
+                         + third[:30])
+
+    pretender = threading.Thread(target=pretend_to_be_a_server, daemon=True)
+    pretender.start()
+    client = thing.Client("127.0.0.1", listener.getsockname()[1])
+    try:
+        handles = [client.catch(np.arange(10) + i, name=f"x{i}", block=True) for i in range(3)]
+        for handle in handles:
+            handle.wait(10)
+        assert [handle.id for handle in handles] == [100, 101, None]
+        assert "unacknowledged" in handles[2].error
+    finally:
+        client.close()
+        listener.close()
+        pretender.join(10)

@@ -585,9 +585,11 @@ class Channel:
         try:
             while True:
                 acks = [_read_ack(stream, mac)]
-                while stream.buffered >= wire.ACK.size and len(acks) < SETTLE_BATCH:
-                    acks.append(_read_ack(stream, mac))
-                self._settle(acks)
+                try:
+                    while stream.buffered >= wire.ACK.size and len(acks) < SETTLE_BATCH:
+                        acks.append(_read_ack(stream, mac))
+                finally:  # those read whole count, even if the next is cut off or bad
+                    self._settle(acks)
         except Exception as exc:  # the connection ended or broke its promise: reconnect
             if not isinstance(exc, (OSError, ProtocolError)):
                 self._log_once("acks", logging.ERROR, "unexpected error reading "

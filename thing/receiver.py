@@ -173,10 +173,10 @@ class Connection:
         # with no room for them, so the kernel closes any sent anyway, and a shared-memory
         # frame finds none to take and is refused.
         self.takes_descriptors = self.local and info.get("shared_memory") is True
-        if self.takes_descriptors:
-            self._stream.take_descriptors()
         if settings.token is not None:
             self._authenticate(settings.token, info.get("nonce"))
+        if self.takes_descriptors:  # only once proven: none is kept from a peer turned away
+            self._stream.take_descriptors()
         # Proven (or no token asked): from now on it holds a slot like any client.
         self.handshaken, self.since = True, time.monotonic()
         welcome = {"server": "thing", "pid": os.getpid(), "notices": True}
@@ -446,6 +446,8 @@ class Connection:
         """Read past a refused frame, so the connection and the frames after it go on."""
         what = "a capture" if name is None else repr(name)
         self.settings.warn(self.address, f"refused {what} from {self.address}: {why}")
+        if payload_bytes >= SMALL_BYTES:
+            self._flush_acks()  # the frames before this one need not wait for its discard
         self._discard(payload_bytes)
         trailer = bytearray(self._trailer_size)
         self._stream.read_into([trailer])

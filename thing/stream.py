@@ -53,6 +53,8 @@ class StreamReader:
 
     def read(self, size: int) -> bytes:
         """Exactly ``size`` bytes (at most the buffer's size), waiting as long as it takes."""
+        if size > len(self._buffer):
+            raise ValueError(f"a read of {size} bytes is larger than the buffer")
         if self._end - self._start < size:
             self._fill(size)
         start = self._start
@@ -122,7 +124,9 @@ class StreamReader:
 
     def _fill(self, size: int) -> None:
         """Receive until ``size`` bytes are buffered; ConnectionResetError at the stream's end."""
-        if self._start + size > len(self._buffer):  # make room: move the unread bytes to the front
+        if self._start == self._end:  # nothing unread: receive from the start again
+            self._start = self._end = 0
+        elif self._start + size > len(self._buffer):  # make room: unread bytes to the front
             held = self._end - self._start
             self._buffer[:held] = self._view[self._start:self._end]
             self._start, self._end = 0, held
