@@ -239,3 +239,22 @@ def test_a_frame_trickled_slower_than_the_minimum_rate_is_cut_off() -> None:
             assert wire.decode_ack(answer[: wire.ACK.size])[0] == wire.ACK_REJECTED
     finally:
         server.close()
+
+
+def test_a_stream_cut_inside_a_prefix_is_answered_as_a_frame_that_did_not_arrive() -> None:
+    with thing.Server(port=0) as server, connect("127.0.0.1", server.port, 10) as peer:
+        peer.sendall(wire.encode_handshake({"hostname": "raw", "pid": 1}))
+        status, _ = wire.recv_handshake(peer)
+        assert status == wire.HANDSHAKE_OK
+        good = frame_bytes(np.arange(3), "good", seq=0)
+        peer.sendall(good + frame_bytes(np.arange(3), "cut", seq=1)[:10])
+        peer.shutdown(socket.SHUT_WR)  # the rest of that prefix never comes
+        reply = b""
+        while chunk := peer.recv(65536):
+            reply += chunk
+    status, length, seq, capture_id = wire.decode_ack(reply[: wire.ACK.size])
+    assert (status, seq) == (wire.ACK_STORED, 0)
+    status, length, seq, _ = wire.decode_ack(reply[wire.ACK.size : 2 * wire.ACK.size])
+    assert (status, seq) == (wire.ACK_REJECTED, wire.SEQ_OLDEST_UNANSWERED)
+    assert b"did not arrive whole" in reply[2 * wire.ACK.size :]
+    assert len(server.store) == 1 and server.dropped_transfers == 1

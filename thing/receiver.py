@@ -269,9 +269,16 @@ class Connection:
         self._deadline.set(settings.idle_timeout)
         try:
             prefix = self._stream.read(wire.FRAME_PREFIX.size)
-        except ConnectionResetError:
+        except OSError as exc:
             self._deadline.stop()
-            return False  # a clean close between frames
+            if not self._stream.buffered:  # between frames
+                if isinstance(exc, ConnectionResetError):
+                    return False  # a clean close
+                raise
+            # Cut off (or too slow) inside a prefix: a frame that did not arrive whole.
+            self._mid_frame = True
+            settings.counts.add(dropped_transfers=1)
+            raise
         self._mid_frame = True
         fds: list[int] = []
         try:
