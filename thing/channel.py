@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 from . import auth, config, shm, wire
 from ._core import send_buffers
@@ -88,6 +88,10 @@ class Pending(NamedTuple):
     handle: CaptureHandle
     # For a notice of a capture that could not be sent: {"type": ..., "reason": ...}.
     unsent: dict[str, str] | None = None
+
+
+# A capture that ended: (pending, capture id if stored, error, reason it counts under).
+Finished = tuple[Pending, Optional[int], Optional[str], Optional[str]]  # noqa: UP007 (3.9)
 
 
 class SendQueue:
@@ -604,10 +608,10 @@ class Channel:
     def _settle(self, acks: list[tuple[int, int, int, bytes]]) -> None:
         """Resolve the handles of acknowledged frames, in order; ProtocolError (after
         resolving those before it) for an ack that is not for the oldest frame in flight."""
-        settled: list[tuple[Pending, int | None, str | None]] = []
+        finished: list[Finished] = []
         broken = None
         with self._mutex:
-            inflight, room = self._inflight, self._room
+            inflight = self._inflight
             for status, seq, capture_id, message in acks:
                 oldest = next(iter(inflight), None)
                 if seq == wire.SEQ_OLDEST_UNANSWERED and oldest is not None:
@@ -619,49 +623,62 @@ class Channel:
                 pending = inflight.pop(seq, None)
                 if pending is None:
                     continue
-                if status != wire.ACK_STORED:
+                if status == wire.ACK_STORED:
+                    finished.append((pending, capture_id, None, None))
+                else:
                     text = wire.printable(message.decode("utf-8", "replace"))
-                    settled.append((pending, None, f"refused by the server: {text}"))
-                    continue
-                if pending.unsent is None:  # a notice is not a capture
-                    room.stored += 1
-                settled.append((pending, capture_id, None))
-            if settled:
-                room.give_back(sum(pending.payload.nbytes for pending, _, _ in settled),
-                               len(settled))
-        for pending, capture_id, error in settled:
-            pending.handle.resolve(capture_id, error)
-            if error is not None:
-                log.debug("capture %r not stored: %s", pending.name, error)
+                    finished.append((pending, None, f"refused by the server: {text}", None))
+            self._count(finished)
+        _resolve(finished)
         if broken is not None:
             raise broken
 
     def _finish(self, seq: int, capture_id: int | None, error: str | None,
                 reason: str | None) -> None:
+        """Resolve one frame in flight that ended without an ack (``reason``: how it counts)."""
         with self._mutex:
             pending = self._inflight.pop(seq, None)
-            if pending is None:
-                return
-            self._room.give_back(pending.payload.nbytes)
-            if capture_id is not None and pending.unsent is None:
-                self._room.stored += 1
-            elif reason is not None and pending.unsent is None:
-                self._room.undelivered[reason] += 1
-        pending.handle.resolve(capture_id, error)
-        if error is not None:
-            log.debug("capture %r not stored: %s", pending.name, error)
+            finished: list[Finished] = [] if pending is None else [
+                (pending, capture_id, error, reason)]
+            self._count(finished)
+        _resolve(finished)
 
     def _fail_inflight(self, reason: str, error: str) -> None:
         with self._mutex:
-            seqs = list(self._inflight)
-        for seq in seqs:
-            self._finish(seq, None, error, reason)
+            finished: list[Finished] = [(pending, None, error, reason)
+                                        for pending in self._inflight.values()]
+            self._inflight.clear()
+            self._count(finished)
+        _resolve(finished)
+
+    def _count(self, finished: list[Finished]) -> None:
+        """Give back the room of finished captures and count how each ended (the caller
+        holds the lock): stored, or not delivered for its reason. Notices are not counted."""
+        if not finished:
+            return
+        room = self._room
+        for pending, capture_id, _, reason in finished:
+            if pending.unsent is not None:
+                continue
+            if capture_id is not None:
+                room.stored += 1
+            elif reason is not None:
+                room.undelivered[reason] += 1
+        room.give_back(sum(pending.payload.nbytes for pending, *_ in finished), len(finished))
 
     def _log_once(self, key: str, level: int, message: str, *args: Any,
                   exc_info: bool = False) -> None:
         if key not in self._warned and len(self._warned) < 1000:
             self._warned.add(key)
             log.log(level, message, *args, exc_info=exc_info)
+
+
+def _resolve(finished: list[Finished]) -> None:
+    """Tell each finished capture's handle its outcome (outside the lock: it wakes waiters)."""
+    for pending, capture_id, error, _ in finished:
+        pending.handle.resolve(capture_id, error)
+        if error is not None:
+            log.debug("capture %r not stored: %s", pending.name, error)
 
 
 def _read_ack(stream: StreamReader, mac: auth.SessionMac | None
