@@ -7,8 +7,11 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+
+import thing
 
 from .conftest import run_script, script_env
 
@@ -83,8 +86,9 @@ def test_serve_on_a_busy_port_exits_with_one_clear_line() -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_demo_with_numpy_shows_what_arrived() -> None:
-    result = subprocess.run([sys.executable, "-m", "thing", "demo", "--numpy", "--steps", "30"],
+def test_demo_with_numpy_shows_what_arrived_and_records_it(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "thing", "demo", "--numpy", "--steps", "30",
+                             "--record", str(tmp_path / "rec")],
                             env=script_env(COLUMNS="160"), capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
@@ -98,6 +102,10 @@ def test_demo_with_numpy_shows_what_arrived() -> None:
     assert rows["model.hidden.weight"][5] == "3"  # every 10 steps
     assert rows["activations"][1:3] == ["dict", "of"]
     assert "['hidden']" in out and "['prediction']" in out and "L2 norm" in out
+    assert f"Recorded 36 captures into {tmp_path / 'rec'}" in out
+    recorded = thing.HistoryStore()
+    assert recorded.load(tmp_path / "rec") == 36
+    assert len(recorded.get_all("loss")) == 30
 
 
 def test_demo_with_torch_when_installed() -> None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ._core import BACKEND
 from .client import CaptureHandle, Client
 from .errors import (
+    BadRecording,
     HandshakeError,
     LimitExceeded,
     NotServing,
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
         get,
         get_all,
         ingest_all,
+        load,
+        save,
         serve,
         status,
         summary,
@@ -52,7 +55,7 @@ if TYPE_CHECKING:
 # the server, the store or the REPL (nor what they import), so `import thing` stays cheap.
 _ON_FIRST_USE = {
     **dict.fromkeys(("serve", "get", "get_all", "wait", "clear", "ingest_all", "summary",
-                     "describe", "status", "help"), "repl"),
+                     "describe", "status", "help", "save", "load"), "repl"),
     "Server": "server",
     "Capture": "store",
     "HistoryStore": "store",
@@ -79,6 +82,7 @@ logging.getLogger("thing").addHandler(logging.NullHandler())
 
 __all__ = [
     "BACKEND",
+    "BadRecording",
     "Capture",
     "CaptureHandle",
     "Client",
@@ -97,6 +101,8 @@ __all__ = [
     "get",
     "get_all",
     "ingest_all",
+    "load",
+    "save",
     "serve",
     "status",
     "summary",

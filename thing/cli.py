@@ -1,8 +1,10 @@
 """The ``thing`` command (also ``python -m thing``).
 
-``thing serve [--host H] [--port P]`` opens an interactive session (IPython
-when it is installed, else Python's own REPL) with the server already running
-and ``thing`` imported. ``thing demo`` runs the end-to-end demo.
+``thing serve [--host H] [--port P] [--record DIR]`` opens an interactive
+session (IPython when it is installed, else Python's own REPL) with the server
+already running and ``thing`` imported. ``thing record DIR`` receives with no
+session, appending every capture to a recording; ``thing open DIR`` opens a
+session on a recording, with no server. ``thing demo`` runs the end-to-end demo.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .recorder import SegmentWritten
 
 FIRST_COMMANDS = (
     ("thing.summary()", "what has arrived so far"),
@@ -28,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="thing",
         description="Catch tensors in one program and look at them in a live Python session.",
     )
-    commands = parser.add_subparsers(dest="command", metavar="{serve,demo}")
+    commands = parser.add_subparsers(dest="command", metavar="{serve,record,open,demo}")
     serve = commands.add_parser(
         "serve", help="open a Python session that receives captures",
         description="Open an interactive Python session (IPython if installed) with the thing "
@@ -39,49 +44,190 @@ def main(argv: list[str] | None = None) -> int:
                        help="port to listen on (default THING_PORT or 2875; 0: any free port)")
     serve.add_argument("--plain", action="store_true",
                        help="use Python's own REPL even if IPython is installed")
+    serve.add_argument("--record", metavar="DIR",
+                       help="also append every capture to the recording in DIR")
+    record = commands.add_parser(
+        "record", help="receive captures with no session, appending them to a recording",
+        description="Run a server with no interactive session that appends every capture it "
+                    "receives to the recording in DIR, one segment file at a time (printing a "
+                    "line for each). Open it later with `thing open DIR` or thing.load(DIR).")
+    record.add_argument("directory", metavar="DIR")
+    record.add_argument("--host", help="interface to listen on (as for serve)")
+    record.add_argument("--port", type=int, help="port to listen on (as for serve)")
+    for command in (serve, record):
+        command.add_argument("--max-bytes", type=_size, metavar="SIZE",
+                             help="keep the recording under SIZE on disk (e.g. 20G), deleting "
+                                  "its oldest segments first (default: no limit)")
+        command.add_argument("--segment-bytes", type=_size, default=64 << 20, metavar="SIZE",
+                             help="start a new segment file after SIZE of arrays (default 64M)")
+        command.add_argument("--segment-seconds", type=float, default=10.0, metavar="S",
+                             help="write a segment at most S seconds after its first capture: "
+                                  "a crash loses at most that (default 10)")
+    open_ = commands.add_parser(
+        "open", help="open a Python session on a recording (no server)",
+        description="Load the recording in DIR and open an interactive session on it: "
+                    "thing.get, get_all, summary and describe work as on a live server.")
+    open_.add_argument("directory", metavar="DIR")
+    open_.add_argument("--plain", action="store_true",
+                       help="use Python's own REPL even if IPython is installed")
     demo = commands.add_parser(
         "demo", help="train a small model in another process and show what it sent",
         description="Start a server, train a small model in a separate process that catches "
                     "its loss, a weight matrix and activations, then summarise what arrived.")
     demo.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
     demo.add_argument("--numpy", action="store_true", help="use numpy even if torch is installed")
+    demo.add_argument("--record", metavar="DIR",
+                      help="also record what arrives into DIR (then: thing open DIR)")
     args = parser.parse_args(argv)
     if args.command == "serve":
-        return serve_interactively(args.port, args.host, plain=args.plain)
+        recording = None if args.record is None else (args.record, _recorder_options(args))
+        return serve_interactively(args.port, args.host, plain=args.plain, record=recording)
+    if args.command == "record":
+        return record_headless(args.directory, args.port, args.host, _recorder_options(args))
+    if args.command == "open":
+        return open_interactively(args.directory, plain=args.plain)
     if args.command == "demo":
-        return run_demo(args.steps, use_torch=False if args.numpy else None)
+        return run_demo(args.steps, use_torch=False if args.numpy else None, record=args.record)
     parser.print_help()
     return 2
 
 
 def serve_interactively(port: int | None = None, host: str | None = None, *,
-                        plain: bool = False) -> int:
-    """Start the default server, then an interactive session until the user leaves it."""
+                        plain: bool = False,
+                        record: tuple[str, dict[str, Any]] | None = None) -> int:
+    """Start the default server, then an interactive session until the user leaves it.
+
+    ``record=(directory, recorder options)`` also records every capture there.
+    """
     import thing
 
     from .errors import ThingError
 
     try:
         server = thing.serve(port, host)
-    except ThingError as exc:
+        if record is not None:
+            directory, options = record
+            server.record(directory, on_segment=_print_segment, **options)
+    except (ThingError, OSError) as exc:
         print(f"thing: {exc}", file=sys.stderr)
         return 1
-    namespace: dict[str, Any] = {"thing": thing, "__name__": "__main__"}
-    width = max(len(command) for command, _ in FIRST_COMMANDS)
-    banner = "\n".join(
-        [f"thing is receiving at {server.host}:{server.port}; `thing` is imported. Try:"]
-        + [f"    {command.ljust(width)}   # {what}" for command, what in FIRST_COMMANDS]
-        + ["thing.help() lists everything."]
-    )
+    where = f"thing is receiving at {server.host}:{server.port}"
+    if record is not None:
+        where += f", recording into {record[0]}"
     try:
-        if not plain and _start_ipython(namespace, banner):
-            return 0
-        import code
-
-        code.interact(banner=banner, local=namespace, exitmsg="")
+        _interact(f"{where}; `thing` is imported. Try:", plain)
         return 0
     finally:
         server.close()
+
+
+def open_interactively(directory: str, *, plain: bool = False) -> int:
+    """Load a recording, then an interactive session on it (no server) until the user leaves."""
+    import thing
+
+    from .errors import ThingError
+
+    try:
+        count = thing.load(directory)
+    except (ThingError, OSError) as exc:
+        print(f"thing: {exc}", file=sys.stderr)
+        return 1
+    _interact(f"thing opened {directory}: {count} captures, no server running (thing.serve() "
+              "receives more into it); `thing` is imported. Try:", plain)
+    return 0
+
+
+def _interact(headline: str, plain: bool) -> None:
+    import thing
+
+    namespace: dict[str, Any] = {"thing": thing, "__name__": "__main__"}
+    width = max(len(command) for command, _ in FIRST_COMMANDS)
+    banner = "\n".join(
+        [headline]
+        + [f"    {command.ljust(width)}   # {what}" for command, what in FIRST_COMMANDS]
+        + ["thing.help() lists everything."]
+    )
+    if not plain and _start_ipython(namespace, banner):
+        return
+    import code
+
+    code.interact(banner=banner, local=namespace, exitmsg="")
+
+
+def record_headless(directory: str, port: int | None = None, host: str | None = None,
+                    options: dict[str, Any] | None = None) -> int:
+    """``thing record DIR``: receive and record until Ctrl+C or SIGTERM, then write what
+    is waiting and stop."""
+    import signal
+    import threading
+
+    from .errors import ThingError
+    from .repl import _bind_failure, _show_log_lines
+    from .server import Server
+    from .store import HistoryStore
+
+    _show_log_lines()
+    # Only what is being written is needed in memory: the newest capture of each name stays
+    # (as in any server) so that a capture is never refused for want of room.
+    server = Server(port, host, store=HistoryStore(max_versions=1))
+    try:
+        server.start()
+    except OSError as exc:
+        print(f"thing: {_bind_failure(exc, server.host, server.port)}", file=sys.stderr)
+        return 1
+    try:
+        recorder = server.record(directory, on_segment=_print_segment, **(options or {}))
+    except (ThingError, OSError) as exc:
+        server.close()
+        print(f"thing: {exc}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(f"thing is recording what arrives at {server.host}:{server.port} into {directory}; "
+          "Ctrl+C stops.", flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()  # writes the open segment
+    dropped = ", ".join(f"{count} {reason}" for reason, count in recorder.dropped.items())
+    print(f"thing recorded {recorder.written} captures in {recorder.segments} segments"
+          + (f"; not recorded: {dropped}" if dropped else "") + ".", flush=True)
+    return 0
+
+
+def _print_segment(written: SegmentWritten) -> None:
+    print(f"{written.path.name}: {written.captures} captures, {_megabytes(written.nbytes)} "
+          f"(recording: {written.kept_segments} segments, {_megabytes(written.kept_bytes)})",
+          flush=True)
+
+
+def _megabytes(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.1f} MB"
+
+
+def _recorder_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_bytes": args.max_bytes, "segment_bytes": args.segment_bytes,
+            "segment_seconds": args.segment_seconds}
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(text: str) -> int:
+    """``20G``, ``512M``, ``4096`` (bytes; powers of 1024) as a number of bytes."""
+    number, unit = text.strip().rstrip("Bb"), ""
+    if number[-1:].upper() in _SIZE_UNITS:
+        number, unit = number[:-1], number[-1].upper()
+    try:
+        size = int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 20G or 512M)") from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive: {text!r}")
+    return size
 
 
 def _start_ipython(namespace: dict[str, Any], banner: str) -> bool:
@@ -95,14 +241,19 @@ def _start_ipython(namespace: dict[str, Any], banner: str) -> bool:
     return True
 
 
-def run_demo(steps: int = 100, use_torch: bool | None = None, timeout: float = 120.0) -> int:
-    """``thing demo``: serve here, train in another process (``thing/demo.py``), show what came."""
+def run_demo(steps: int = 100, use_torch: bool | None = None, timeout: float = 120.0,
+             record: str | None = None) -> int:
+    """``thing demo``: serve here, train in another process (``thing/demo.py``), show what came.
+
+    ``record``: a directory to record what arrives into, as ``thing serve --record`` does.
+    """
     from . import repl
 
     if use_torch is None:
         use_torch = importlib.util.find_spec("torch") is not None
     was_serving = repl._server is not None and repl._server.running
     server = repl.serve(port=0)  # a free port, unless a server already runs here
+    recorder = None if record is None else server.record(record)
     try:
         print(f"thing demo: training a small {'torch' if use_torch else 'numpy'} model for "
               f"{steps} steps in another process, sending to port {server.port}...", flush=True)
@@ -115,10 +266,16 @@ def run_demo(steps: int = 100, use_torch: bool | None = None, timeout: float = 1
         for name in ("model.hidden.weight", "activations"):
             print(f"\n>>> thing.describe({name!r})", flush=True)
             repl.describe(name)
+        if recorder is not None:
+            recorder.close()  # the last segment written, every capture is on disk
+            print(f"\nRecorded {recorder.written} captures into {record}: "
+                  f"`thing open {record}` looks at them again.", flush=True)
         print("\nNext: run `thing serve` here, call thing.catch(...) in your own training "
               "script, then try thing.get('loss'), thing.ingest_all() and thing.help().")
         return 0
     finally:
+        if recorder is not None:
+            recorder.close()
         if not was_serving:
             server.close()
 

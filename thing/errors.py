@@ -24,6 +24,10 @@ class LimitExceeded(ProtocolError):
     """
 
 
+class BadRecording(ThingError, ValueError):
+    """A file of a recording is not one thing wrote, or was damaged; nothing of it was loaded."""
+
+
 class NotServing(ThingError, RuntimeError):
     """A REPL function was called before ``thing.serve()``."""
 

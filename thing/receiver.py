@@ -143,7 +143,7 @@ class Connection:
         self._poller.register(sock, select.POLLIN)
         self._deadline = _ReadDeadline(settings.deadlines, sock, settings.idle_timeout)
         self._stream = StreamReader(sock, before_wait=self._deadline.start)
-        self._headers: dict[bytes, _KnownHeader] = {}  # raw header -> what it tells
+        self._headers: dict[bytes, KnownHeader] = {}  # raw header -> what it tells
         self._headers_cost = 0
 
     @property
@@ -348,7 +348,7 @@ class Connection:
         settings.counts.add(received=1)
         return wire.encode_ack(seq, capture.id)
 
-    def _validate_header(self, raw: bytes, payload_len: int, charge: _Charge) -> _KnownHeader:
+    def _validate_header(self, raw: bytes, payload_len: int, charge: _Charge) -> KnownHeader:
         """Parse and check a header not seen before; keep it if it is short and there is room.
 
         While the frame lasts, its header (the bytes, and what parsing them makes) is
@@ -358,7 +358,7 @@ class Connection:
         """
         cost = wire.header_cost(raw, self.settings.limits)
         charge.hold_header(cost)
-        header = _KnownHeader.of(wire.decode_header(raw, payload_len, self.settings.limits),
+        header = KnownHeader.of(wire.decode_header(raw, payload_len, self.settings.limits),
                                  self.sender)
         if (len(raw) <= CACHED_HEADER_MAX and self._headers_cost + cost <= HEADER_CACHE_BYTES
                 and self.settings.header_budget.take_spare(cost)):
@@ -366,7 +366,7 @@ class Connection:
             self._headers_cost += cost
         return header
 
-    def _receive_payload(self, prefix: wire.FramePrefix, known: _KnownHeader,
+    def _receive_payload(self, prefix: wire.FramePrefix, known: KnownHeader,
                          fds: list[int], signature: Any, charge: _Charge) -> Capture | None:
         """Receive a frame's arrays and trailer, charging the store as the bytes arrive.
 
@@ -511,7 +511,7 @@ class Connection:
 
 
 @dataclass(frozen=True)
-class _KnownHeader:
+class KnownHeader:
     """What a validated header tells its connection, worked out once for all its frames."""
 
     header: wire.FrameHeader
@@ -526,7 +526,7 @@ class _KnownHeader:
     layout: tuple[tuple[np.dtype, int, tuple[int, ...]], ...]
 
     @classmethod
-    def of(cls, header: wire.FrameHeader, connection: Sender) -> _KnownHeader:
+    def of(cls, header: wire.FrameHeader, connection: Sender) -> KnownHeader:
         meta = header.meta
         name = None if header.name is None else wire.printable(header.name)
         call_site = _str_or(meta.get("site"))

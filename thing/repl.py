@@ -13,8 +13,9 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from .errors import NotServing, ThingError, UnknownName
@@ -24,6 +25,9 @@ from .store import HistoryStore, value_of
 log = logging.getLogger("thing")
 
 _server: Server | None = None
+# The history loaded with thing.load() before any server ran: what the REPL functions read
+# until thing.serve(), which then receives into it.
+_loaded: HistoryStore | None = None
 
 
 def serve(port: int | None = None, host: str | None = None) -> Server:
@@ -42,7 +46,7 @@ def serve(port: int | None = None, host: str | None = None) -> Server:
         else:
             log.info("Server already running at port %d.", _server.port)
         return _server
-    server = Server(port, host)
+    server = Server(port, host, store=_loaded)
     try:
         server.start()
     except OSError as exc:
@@ -89,7 +93,42 @@ def _short_traceback(function: Function) -> Function:
 
 
 def _store() -> HistoryStore:
+    if _loaded is not None and (_server is None or not _server.running):
+        return _loaded
     return default_server().store
+
+
+@_short_traceback
+def save(path: str | os.PathLike[str], names: Iterable[str] | None = None) -> int:
+    """Write the kept history (every capture, or those of ``names``) to a new directory.
+
+    Arrays go into safetensors files, the rest (names, containers, numbers,
+    senders, call sites, times) into their metadata; ``thing.load`` reads it
+    back. Needs the ``safetensors`` package (``pip install 'thing[save]'``).
+    Returns how many captures were written.
+    """
+    return _store().save(path, names)
+
+
+@_short_traceback
+def load(path: str | os.PathLike[str]) -> int:
+    """Bring back a recording (``thing.save``, ``thing record``) into this session's history.
+
+    Captures keep their names, order, ranks, senders, call sites, times and
+    ``consistent`` flags, bit for bit, as the framework they were sent from;
+    they are placed in order of arrival among those already here. The files
+    are memory-mapped: loading is quick, and an array takes memory only once
+    looked at. Works without a server (``thing.serve()`` later receives into
+    the same history). A damaged or foreign file is refused, nothing loaded.
+    Returns how many captures were loaded.
+    """
+    global _loaded
+    if _server is not None and _server.running:
+        return _server.store.load(path)
+    store = _loaded if _loaded is not None else HistoryStore()
+    count = store.load(path)
+    _loaded = store
+    return count
 
 
 @_short_traceback
@@ -150,8 +189,9 @@ def summary(max_items: int | None = 5) -> None:
     """
     from . import display, reports
 
-    server = default_server()
-    display.show(reports.summary(server.store, server.info(), max_items))
+    store = _store()
+    info = _server.info() if _server is not None and _server.running else None
+    display.show(reports.summary(store, info, max_items))
 
 
 @_short_traceback

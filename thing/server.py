@@ -15,9 +15,10 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import auth, config, receiver, wire
 from .buffers import ReceiveBuffers
@@ -32,6 +33,9 @@ from .sockets import (
     unix_socket_path,
 )
 from .store import Capture, HistoryStore, Sender, value_of
+
+if TYPE_CHECKING:
+    from .recorder import Recorder
 
 log = logging.getLogger("thing")
 
@@ -94,6 +98,7 @@ class Server:
         self._closing = threading.Event()
         self._warned_at: dict[str, float] = {}
         self.refused = 0  # connections turned away at the cap
+        self._recorders: list[Recorder] = []
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -138,8 +143,10 @@ class Server:
         self._spawn(self._accept_loop, "thing-accept-unix", self._unix_listener)
 
     def close(self) -> None:
-        """Stop accepting, disconnect every client and wait for their threads."""
+        """Stop accepting, disconnect every client and wait for their threads; finish
+        recording (see :meth:`record`)."""
         if self._listener is None:
+            self._close_recorders()
             return
         self._closing.set()
         shutdown(self._listener)
@@ -165,6 +172,12 @@ class Server:
             auth.remove_token_file(self.port, self.token)
             self._generated_token = False
         self._threads.clear()
+        self._close_recorders()  # after the last capture is stored
+
+    def _close_recorders(self) -> None:
+        for recorder in self._recorders:
+            recorder.close()
+        self._recorders.clear()
 
     def __enter__(self) -> Server:
         return self.start()
@@ -231,6 +244,24 @@ class Server:
         if name is None:
             self.buffers.clear()
         return dropped
+
+    def save(self, path: str | os.PathLike[str], names: Iterable[str] | None = None) -> int:
+        """Write the kept history (or that of ``names``) to a new directory (see ``thing.save``)."""
+        return self.store.save(path, names)
+
+    def load(self, path: str | os.PathLike[str]) -> int:
+        """Add the captures of a recording to this server's history (see ``thing.load``)."""
+        return self.store.load(path)
+
+    def record(self, path: str | os.PathLike[str], **options: Any) -> Recorder:
+        """Also append every capture from now on to the recording at ``path``; returns the
+        started :class:`~thing.recorder.Recorder` (its ``options``: ``max_bytes``, ...).
+        Closing the server closes it."""
+        from .recorder import Recorder
+
+        recorder = Recorder(self.store, path, **options).start()
+        self._recorders.append(recorder)
+        return recorder
 
     def summary(self, max_items: int | None = 5) -> None:
         """Show a table of what this server received (see ``thing.summary``)."""

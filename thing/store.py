@@ -14,18 +14,20 @@ from __future__ import annotations
 import difflib
 import logging
 import numbers
+import os
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
 from . import config
-from .arrays import LeafSpec
+from .arrays import CARRIER_DTYPES, LeafSpec, leaf_bytes
 from .errors import LimitExceeded, UnknownName
 from .names import identifier_for
-from .wire import ReceivedValue, build_value
+from .wire import ReceivedValue, build_value, take_apart
 
 log = logging.getLogger("thing")
 
@@ -57,8 +59,8 @@ class Capture:
     ``value`` is built on first access (see :class:`thing.wire.ReceivedValue`).
     """
 
-    __slots__ = ("id", "name", "_value", "leaves", "nbytes", "sender", "received_at",
-                 "caught_at", "call_site", "consistent")
+    __slots__ = ("id", "name", "_value", "_received", "leaves", "nbytes", "sender",
+                 "received_at", "caught_at", "call_site", "consistent")
 
     def __init__(self, id: int, name: str | None, value: Any, leaves: tuple[LeafSpec, ...],
                  nbytes: int, sender: Sender, received_at: float | None = None,
@@ -67,6 +69,8 @@ class Capture:
         self.id = id
         self.name = name
         self._value = value
+        # Kept once the value is built: what save() writes, with no framework imported.
+        self._received = value if isinstance(value, ReceivedValue) else None
         self.leaves = leaves
         self.nbytes = nbytes
         self.sender = sender
@@ -89,6 +93,17 @@ class Capture:
     @property
     def rank(self) -> int | None:
         return self.sender.rank
+
+    def parts(self) -> ReceivedValue:
+        """The capture as frames and recordings carry it: its tree, leaf specs and numpy
+        arrays (in their carrier dtypes, sharing the capture's memory where it can)."""
+        if self._received is not None:
+            return self._received
+        payload = take_apart(self.value)
+        specs = tuple(leaf.spec for leaf in payload.leaves)
+        arrays = [leaf_bytes(leaf).view(CARRIER_DTYPES[leaf.spec.dtype]).reshape(leaf.spec.shape)
+                  for leaf in payload.leaves]
+        return ReceivedValue(payload.tree, specs, arrays)
 
     def _repr_html_(self) -> str:  # Jupyter shows a capture as its description
         from .reports import capture_report
@@ -193,6 +208,7 @@ class HistoryStore:
         self._undelivered: OrderedDict[tuple[str, int], dict[str, int]] = OrderedDict()
         # (name, reason) -> the newest notice of it; bounded, the oldest forgotten first.
         self._unsent: OrderedDict[tuple[str | None, str], UnsentNotice] = OrderedDict()
+        self._listeners: list[Callable[[Capture], None]] = []  # replaced, never changed in place
 
     # -- receiving ---------------------------------------------------------------
 
@@ -285,34 +301,88 @@ class HistoryStore:
                     f"of {self.max_bytes}"
                 )
             capture = Capture(self._next_id, name, value, leaves, nbytes, sender, **details)
-            self._next_id += 1
             self._reserved -= nbytes
-            self._held += extra
-            self._charged[capture.id] = nbytes + extra
-            self._by_id[capture.id] = capture
-            if not capture.consistent:
-                self._flagged += 1
-            if name is None:
-                self._unnamed += 1
-            else:
-                history = self._by_name.get(name)
-                if history is None:
-                    history = self._by_name[name] = deque()
-                    self._by_identifier.setdefault(hash(identifier_for(name)), set()).add(name)
-                history.append(capture)
-                self._updated.pop(name, None)
-                self._updated[name] = None
-                if self.max_versions is not None and len(history) > self.max_versions:
-                    self._drop(history[0])
-                    self.evicted += 1
-            # The record's own cost was not reserved: make room for it after the fact.
-            while self._held > self.max_bytes and len(self._by_id) > 1:
-                oldest = next(iter(self._by_id.values()))
-                self._drop(oldest)
-                self.evicted += 1
+            self._held -= nbytes  # filled: _insert charges it again, with the record's cost
+            self._insert(capture, nbytes + extra)
+            if name is not None:
+                self._trim(self._by_name[name])
+            self._make_room()  # the record's own cost was not reserved
+            listeners = self._listeners
             if self._sleepers:
                 self._changed.notify_all()
-            return capture
+        for listener in listeners:
+            listener(capture)
+        return capture
+
+    def restore(self, captures: list[Capture], charges: list[int]) -> None:
+        """Add captures read back from a recording, each charged its ``charges`` entry.
+
+        They get new ids, after those of the captures here; every history stays
+        in order of arrival, loaded captures among received ones. Listeners (a
+        recorder) are not told: these captures are on disk already.
+        """
+        with self._lock:
+            for capture, charge in zip(captures, charges):
+                capture.id = self._next_id
+                self._insert(capture, charge)
+            # Sorting what is mostly sorted already (a recording, then live captures) is cheap.
+            self._by_id = OrderedDict(
+                (capture.id, capture) for capture in sorted(self._by_id.values(), key=_arrival))
+            names = {capture.name for capture in captures if capture.name is not None}
+            for name in names:
+                self._by_name[name] = deque(sorted(self._by_name[name], key=_arrival))
+            self._updated = OrderedDict.fromkeys(
+                sorted(self._by_name, key=lambda name: _arrival(self._by_name[name][-1])))
+            for name in names:
+                self._trim(self._by_name[name])
+            self._make_room()
+            if self._sleepers:
+                self._changed.notify_all()
+
+    def listen(self, listener: Callable[[Capture], None]) -> None:
+        """Call ``listener(capture)`` for every capture stored from now on, on the thread that
+        stored it, once stored (outside the store's lock). It must not raise; it may block,
+        which holds up that connection's next frame: a recorder slows a sender it cannot
+        keep up with rather than drop what it was sent."""
+        with self._lock:
+            self._listeners = [*self._listeners, listener]
+
+    def unlisten(self, listener: Callable[[Capture], None]) -> None:
+        """Stop calling a listener given to :meth:`listen`."""
+        with self._lock:
+            self._listeners = [known for known in self._listeners if known is not listener]
+
+    def _insert(self, capture: Capture, charge: int) -> None:
+        """Hold a new capture (its id not yet used) as the newest; the caller holds the lock."""
+        self._next_id = capture.id + 1
+        self._held += charge
+        self._charged[capture.id] = charge
+        self._by_id[capture.id] = capture
+        if not capture.consistent:
+            self._flagged += 1
+        name = capture.name
+        if name is None:
+            self._unnamed += 1
+            return
+        history = self._by_name.get(name)
+        if history is None:
+            history = self._by_name[name] = deque()
+            self._by_identifier.setdefault(hash(identifier_for(name)), set()).add(name)
+        history.append(capture)
+        self._updated.pop(name, None)
+        self._updated[name] = None
+
+    def _trim(self, history: deque[Capture]) -> None:
+        """Keep at most ``max_versions`` of one name, evicting its oldest."""
+        while self.max_versions is not None and len(history) > self.max_versions:
+            self._drop(history[0])
+            self.evicted += 1
+
+    def _make_room(self) -> None:
+        """Evict the oldest captures until the cap holds (the newest stays, whatever it costs)."""
+        while self._held > self.max_bytes and len(self._by_id) > 1:
+            self._drop(next(iter(self._by_id.values())))
+            self.evicted += 1
 
     def _drop(self, capture: Capture) -> None:
         """Forget one capture (the caller holds the lock and counts it as evicted or cleared)."""
@@ -418,7 +488,7 @@ class HistoryStore:
         with self._lock:
             named = [history[-1] for history in self._by_name.values()]
             unnamed = [capture for capture in self._by_id.values() if capture.name is None]
-            return sorted(named + unnamed, key=lambda capture: capture.id)
+            return sorted(named + unnamed, key=_arrival)
 
     def recent(self, count: int) -> list[Capture]:
         """The ``count`` most recent captures, newest first."""
@@ -513,6 +583,20 @@ class HistoryStore:
                 self._drop(capture)
             return len(dropped)
 
+    def save(self, path: str | os.PathLike[str], names: Iterable[str] | None = None) -> int:
+        """Write the kept history (or that of ``names``) as a recording in the new directory
+        ``path``; return how many captures were written (see ``docs/FORMAT.md``)."""
+        from . import recording
+
+        return recording.save(self, path, names)
+
+    def load(self, path: str | os.PathLike[str]) -> int:
+        """Add the captures of the recording at ``path``, in order of arrival among those
+        here; return how many. A damaged or foreign file is refused, and nothing loaded."""
+        from . import recording
+
+        return recording.load(path, self)
+
     @property
     def held_bytes(self) -> int:
         """Bytes of stored captures and of those being received."""
@@ -520,6 +604,10 @@ class HistoryStore:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+def _arrival(capture: Capture) -> float:
+    return capture.received_at
 
 
 def _newest_per_rank(history: deque[Capture]) -> list[tuple[Capture, int]]:

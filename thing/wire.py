@@ -12,7 +12,7 @@ import json
 import math
 import struct
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -124,7 +124,7 @@ def recv_handshake(sock: Any) -> tuple[int, dict[str, Any]]:
 
 def decode_handshake_info(body: bytes) -> dict[str, Any]:
     """The JSON object of a handshake; its values are informational and never executed."""
-    info = _load_json(body, "handshake", HandshakeError)
+    info = load_json(body, "handshake", HandshakeError)
     if not isinstance(info, dict):
         raise HandshakeError("handshake info is not a JSON object")
     return info
@@ -288,11 +288,15 @@ def type_name(obj: Any) -> str:
 def encode_header(name: str | None, payload: Payload, meta: dict[str, Any]) -> bytes:
     """The JSON header of one capture frame: the same bytes for every call of one name,
     layout and call site (what changes per call is in the prefix)."""
-    leaves = [
-        [leaf.spec.framework, leaf.spec.dtype, list(leaf.spec.shape), leaf.spec.scalar]
-        for leaf in payload.leaves
-    ]
-    document = {"name": name, "value": payload.tree, "leaves": leaves, "meta": meta}
+    return describe_capture(name, payload.tree, [leaf.spec for leaf in payload.leaves], meta)
+
+
+def describe_capture(name: str | None, tree: Any, specs: Iterable[LeafSpec],
+                     meta: dict[str, Any]) -> bytes:
+    """A capture header from its parts: what a frame carries, and what a recording keeps
+    of each capture (read back by :func:`decode_header`, as a frame's is)."""
+    leaves = [[spec.framework, spec.dtype, list(spec.shape), spec.scalar] for spec in specs]
+    document = {"name": name, "value": tree, "leaves": leaves, "meta": meta}
     return json.dumps(document, separators=(",", ":")).encode()
 
 
@@ -390,7 +394,7 @@ def header_cost(raw: bytes, limits: Limits) -> int:
 
 def decode_header(raw: bytes, payload_len: int, limits: Limits) -> FrameHeader:
     """Validate a capture header completely; raise :class:`ProtocolError` on any flaw."""
-    document = _load_json(raw, "header")
+    document = load_json(raw, "header")
     if not isinstance(document, dict) or set(document) != {"name", "value", "leaves", "meta"}:
         raise ProtocolError("header is not a capture header")
     name = document["name"]
@@ -432,7 +436,7 @@ def _decode_leaves(raw: Any, limits: Limits) -> tuple[LeafSpec, ...]:
             raise ProtocolError("bytes leaves must be uint8")
         if not isinstance(shape, list) or len(shape) > _NDIM_MAX:
             raise ProtocolError("leaf shape is not a list of at most 64 dimensions")
-        if not all(_is_int(extent) and 0 <= extent <= _DIM_MAX for extent in shape):
+        if not all(is_int(extent) and 0 <= extent <= _DIM_MAX for extent in shape):
             raise ProtocolError(f"leaf shape {shape!r} has a bad extent")
         if not isinstance(scalar, bool) or (scalar and shape):
             raise ProtocolError("leaf scalar flag is invalid")
@@ -544,13 +548,13 @@ def _is_dict_key(key: Any) -> bool:
 
 def _is_shape(extents: Any) -> bool:
     return isinstance(extents, list) and len(extents) <= _NDIM_MAX and all(
-        _is_int(extent) and 0 <= extent <= _DIM_MAX for extent in extents)
+        is_int(extent) and 0 <= extent <= _DIM_MAX for extent in extents)
 
 
 def _use_leaf(node: Any, specs: tuple[LeafSpec, ...], used: list[bool]) -> LeafSpec:
     """Mark the leaf a ``{"leaf": i}`` node refers to as used; return its spec."""
     index = node.get("leaf") if isinstance(node, dict) and len(node) == 1 else None
-    if not _is_int(index) or not 0 <= index < len(used) or used[index]:
+    if not is_int(index) or not 0 <= index < len(used) or used[index]:
         raise ProtocolError("value refers to a missing or repeated leaf")
     used[index] = True
     return specs[index]
@@ -752,7 +756,8 @@ def _nan_of(text: str) -> float:
     return struct.unpack("<d", raw)[0] if len(raw) == 8 else 0.0
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """True for an int that is not a bool (JSON's true parses as one)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -763,7 +768,8 @@ def _unpack(layout: struct.Struct, data: bytes, what: str,
     return layout.unpack(data)
 
 
-def _load_json(raw: bytes, what: str, error: type[ProtocolError] = ProtocolError) -> Any:
+def load_json(raw: bytes, what: str, error: type[Exception] = ProtocolError) -> Any:
+    """Parse untrusted UTF-8 JSON, raising ``error`` naming ``what`` if it is not."""
     try:
         return json.loads(bytes(raw).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

@@ -1,0 +1,207 @@
+"""The recorder: ``thing record DIR`` and ``thing serve --record DIR``, in real processes.
+
+Every capture a client process sends is in the recording, bit for bit, in
+order; a recorder SIGKILLed at random moments (many times, on one directory)
+always leaves a recording that loads, holding every segment it reported; a
+full disk (a small tmpfs) drops captures, counted, and writing resumes when
+space returns; the byte budget deletes the oldest segments.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import thing
+from thing.errors import ThingError
+from thing.recorder import DISK_FULL, Recorder
+from thing.recording import segments_of
+from thing.store import HistoryStore
+
+from .conftest import ROOT, free_port, poll, run_script, script_env, start_script
+
+# Sends ("step", np.full(SIZE, i)) for i = 0, 1, ... COUNT - 1; with WAIT, waits for each
+# to be stored.
+STREAM = """
+    import os, sys, numpy as np, thing
+    count, size = int(os.environ["COUNT"]), int(os.environ["SIZE"])
+    for i in range(count):
+        handle = thing.catch(np.full(size, i, np.int64), name="step", block=True)
+        if os.environ.get("WAIT"):
+            assert handle.wait(30), handle.error
+"""
+
+
+def _record(directory: Path, port: int, *options: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "thing", "record", str(directory), "--port", str(port), *options],
+        env=script_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_ready(recorder: subprocess.Popen) -> None:
+    assert recorder.stdout is not None
+    line = recorder.stdout.readline()
+    assert line.startswith("thing is recording"), (line, recorder.stderr.read()
+                                                  if recorder.poll() is not None else "")
+
+
+def _steps(directory: Path) -> list[int]:
+    """The ``step`` values of a recording, checked bit for bit against their pattern."""
+    store = HistoryStore()
+    store.load(directory)
+    steps = []
+    for capture in store.get_all("step") if "step" in store.names() else []:
+        value = capture.value
+        assert value.dtype == np.int64 and (value == value[0]).all()
+        steps.append(int(value[0]))
+    return steps
+
+
+def test_every_capture_a_client_sends_is_recorded_in_order(tmp_path: Path) -> None:
+    port = free_port()
+    recorder = _record(tmp_path / "rec", port, "--segment-bytes", "100K")
+    try:
+        _wait_ready(recorder)
+        run_script(STREAM, port, COUNT="300", SIZE="1000", WAIT="1")
+        recorder.send_signal(signal.SIGTERM)
+        out, err = recorder.communicate(timeout=30)
+    finally:
+        if recorder.poll() is None:
+            recorder.kill()
+    assert recorder.returncode == 0, err
+    assert _steps(tmp_path / "rec") == list(range(300))
+    segment_lines = [line for line in out.splitlines() if line.startswith("segment-")]
+    assert len(segment_lines) == len(segments_of(tmp_path / "rec")) >= 20  # 8 KB each, 100K
+    assert "thing recorded 300 captures" in out
+
+
+def test_a_recorder_killed_at_random_moments_always_leaves_a_recording(tmp_path: Path) -> None:
+    """SIGKILL 20 times while a client streams; restart on the same directory each time."""
+    directory, port = tmp_path / "rec", free_port()
+    streamer = start_script(STREAM, port, COUNT="100000000", SIZE="2000")
+    reported: list[str] = []  # segment files the recorders said they wrote
+    reported_captures = 0  # and the captures they said those hold
+    rng = random.Random(1234)
+    try:
+        for _ in range(20):
+            recorder = _record(directory, port, "--segment-bytes", "64K",
+                               "--segment-seconds", "0.1")
+            _wait_ready(recorder)
+            lines: list[str] = []
+            reader = threading.Thread(target=lambda r=recorder, out=lines: out.extend(r.stdout))
+            reader.start()
+            time.sleep(rng.uniform(0.2, 1.2))
+            recorder.kill()
+            recorder.wait(10)
+            reader.join(10)
+            written = [line for line in lines if line.startswith("segment-")]
+            reported += [line.split(":")[0] for line in written]
+            reported_captures += sum(int(line.split()[1]) for line in written)
+            # Whatever moment the kill came, the directory loads, whole.
+            steps = _steps(directory)
+            assert steps == sorted(set(steps)), "captures repeated or out of order"
+            names = {path.name for _, path in segments_of(directory)}
+            assert set(reported) <= names, "a segment reported written is missing"
+            assert len(steps) >= reported_captures
+    finally:
+        streamer.kill()
+        streamer.communicate()
+    assert len(reported) >= 20 and len(_steps(directory)) > 100
+
+
+def test_a_full_disk_drops_counted_captures_and_writing_resumes(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with thing.Server(port=0) as server:
+            recorder = server.record(mount / "rec", segment_bytes=256 << 10,
+                                     segment_seconds=0.05)
+            ballast = mount / "ballast"
+            ballast.write_bytes(b"\0" * ((4 << 20) - (128 << 10)))  # leaves 128 KiB
+            run_script(STREAM, server.port, COUNT="40", SIZE="16384", WAIT="1")  # 128 KiB each
+            poll(lambda: recorder.dropped.get(DISK_FULL), what="a dropped capture")
+            assert recorder.written == 0 and len(server.store) >= 1  # still receiving
+            ballast.unlink()
+            run_script(STREAM.replace("range(count)", "range(1000, 1000 + count)"),
+                       server.port, COUNT="5", SIZE="16384", WAIT="1")
+            poll(lambda: recorder.written == 5, what="writing to resume")
+            dropped = recorder.dropped[DISK_FULL]
+        assert dropped >= 30
+        store = HistoryStore()
+        store.load(mount / "rec")
+        assert [int(v.value[0]) for v in store.get_all("step")] == list(range(1000, 1005))
+        assert store.overview().undelivered == {DISK_FULL: dropped}
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_the_byte_budget_deletes_the_oldest_segments(tmp_path: Path) -> None:
+    written = []
+    with thing.Server(port=0) as server:
+        recorder = server.record(tmp_path / "rec", max_bytes=300_000, segment_bytes=64 << 10,
+                                 on_segment=written.append)
+        run_script(STREAM, server.port, COUNT="200", SIZE="4000", WAIT="1")  # 32 KB each
+    assert recorder.written == 200  # the last segment written as the server closed
+    kept = segments_of(tmp_path / "rec")
+    assert sum(path.stat().st_size for _, path in kept) <= 300_000
+    assert written[-1].kept_bytes <= 300_000 and len(written) > len(kept)
+    steps = _steps(tmp_path / "rec")
+    assert steps == list(range(200 - len(steps), 200))  # the newest, none missing
+
+
+def test_one_recorder_per_directory(tmp_path: Path) -> None:
+    store = HistoryStore()
+    with Recorder(store, tmp_path / "rec"), pytest.raises(ThingError, match="another recorder"):
+        Recorder(HistoryStore(), tmp_path / "rec").start()
+
+
+def test_serve_with_record_then_open_it(tmp_path: Path) -> None:
+    port = free_port()
+    directory = tmp_path / "rec"
+    session = subprocess.Popen(
+        [sys.executable, "-m", "thing", "serve", "--plain", "--port", str(port),
+         "--record", str(directory)],
+        env=script_env(), cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        poll(lambda: _listening(port), what="the session's server")
+        run_script(STREAM, port, COUNT="3", SIZE="10", WAIT="1")
+        out, err = session.communicate("print('live', thing.get('step').tolist())\n", timeout=60)
+    finally:
+        if session.poll() is None:
+            session.kill()
+    assert "live [2, 2, 2" in out, err
+    assert _steps(directory) == [0, 1, 2]
+    opened = subprocess.run(
+        [sys.executable, "-m", "thing", "open", "--plain", str(directory)],
+        env=script_env(), cwd=ROOT, input="print(thing.get_all('step')[0].tolist())\n"
+                                          "thing.summary()\n",
+        capture_output=True, text=True, timeout=60)
+    assert opened.returncode == 0, opened.stderr
+    assert "3 captures, no server running" in opened.stderr + opened.stdout
+    assert "[0, 0, 0, 0, 0, 0, 0, 0, 0, 0]" in opened.stdout and "step" in opened.stdout
+    refused = subprocess.run([sys.executable, "-m", "thing", "open", str(tmp_path / "none")],
+                             env=script_env(), cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 1 and "not a directory" in refused.stderr
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0

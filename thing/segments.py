@@ -1,0 +1,380 @@
+"""One file of a recording: captures in a safetensors file, thing's metadata in its header.
+
+The layout is in ``docs/FORMAT.md``. Arrays are the file's tensors, each in
+the dtype it was caught in (bf16 as ``BF16``, so torch and the ``safetensors``
+package read it as such); everything else about a capture (its name, the
+nesting of its containers, numbers and strings, its sender) is in the file's
+``__metadata__``, per capture as the very header its frame carried.
+
+Writing goes through the ``safetensors`` package, which writes straight from
+the arrays' memory. Reading does not: :func:`read_segment` is thing's own
+reader, because a file is untrusted bytes like a frame. It checks every
+length against the file before using it, validates each capture's header with
+the function that validates frames (:func:`thing.wire.decode_header`), and
+maps the file instead of reading it, so opening a large recording costs
+memory only for the arrays one looks at.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import mmap
+import os
+import stat
+import struct
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import wire
+from .arrays import CARRIER_DTYPES, LeafSpec
+from .errors import BadRecording, ProtocolError
+from .receiver import KnownHeader
+from .store import Capture, Sender
+
+FORMAT = "thing-history"
+FORMAT_VERSION = 1
+# The largest header a segment may have: safetensors' own limit. Ours are a few hundred
+# bytes per capture, and a segment holds at most a few thousand captures.
+MAX_FILE_HEADER = 100_000_000
+
+# Wire dtype -> the safetensors dtype that holds it. complex128 has none: it is kept as
+# float64 pairs (a last axis of 2: real, imaginary), as numpy lays it out.
+SAFETENSORS_DTYPES = {
+    "bool": "BOOL", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
+    "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64",
+    "float16": "F16", "float32": "F32", "float64": "F64", "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "complex64": "C64", "complex128": "F64",
+}
+_ITEMSIZE = {"BOOL": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "U8": 1, "U16": 2, "U32": 4,
+             "U64": 8, "F16": 2, "F32": 4, "F64": 8, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+             "C64": 8}
+# What the package calls them when it writes (numpy's names, and torch's for the rest).
+_PACKAGE_DTYPES = {wire_name: ("float64" if wire_name == "complex128" else wire_name)
+                   for wire_name in SAFETENSORS_DTYPES}
+_RECORD_KEYS = {"header", "sender", "received_at", "caught_at", "consistent"}
+
+
+class LoadedCapture(NamedTuple):
+    """A capture read back from a segment, checked, ready for :meth:`HistoryStore.restore`."""
+
+    capture: Capture
+    charge: int  # what the store holds for it: its record (its arrays stay in the file)
+
+
+class Segment(NamedTuple):
+    captures: list[LoadedCapture]
+    dropped: dict[str, int]  # what the recorder could not write before this segment, by reason
+
+
+def tensor_shape(spec: LeafSpec) -> tuple[int, ...]:
+    """The shape a leaf has in a segment's tensor table."""
+    return (*spec.shape, 2) if spec.dtype == "complex128" else spec.shape
+
+
+# -- writing ------------------------------------------------------------------------
+
+
+def write_segment(path: Path, captures: Sequence[Capture],
+                  dropped: dict[str, int] | None = None) -> int:
+    """Write ``captures`` to ``path`` all or nothing; return the bytes written.
+
+    The file is written under a temporary name, flushed to disk, then renamed,
+    and the directory flushed too: a crash at any moment leaves either no file
+    or the whole file. Raises ``OSError`` (the temporary file removed) when the
+    disk is full or the write fails.
+    """
+    return commit(write_unflushed(path, captures, dropped), path)
+
+
+def write_unflushed(path: Path, captures: Sequence[Capture],
+                    dropped: dict[str, int] | None = None) -> Path:
+    """The first half of :func:`write_segment`: write the file under its temporary name,
+    not yet flushed; return that name (:func:`commit` does the rest)."""
+    serialize_file, tensor_spec = _safetensors_writer()
+    tensors: dict[str, Any] = {}
+    alive: list[np.ndarray] = []  # the package reads raw pointers: keep their arrays alive
+    records = []
+    for index, capture in enumerate(captures):
+        parts = capture.parts()
+        for leaf, (spec, array) in enumerate(zip(parts.specs, parts.arrays)):
+            array = np.ascontiguousarray(array)
+            alive.append(array)
+            tensors[f"{index}.{leaf}"] = tensor_spec(
+                dtype=_PACKAGE_DTYPES[spec.dtype], shape=tensor_shape(spec),
+                data_ptr=array.ctypes.data, data_len=array.nbytes)
+        sender = capture.sender
+        meta: dict[str, Any] = {}
+        if capture.call_site is not None:
+            meta["site"] = capture.call_site
+        if sender.rank is not None or sender.world_size is not None:
+            meta["rank"], meta["world_size"] = sender.rank, sender.world_size
+        records.append({
+            "header": wire.describe_capture(capture.name, parts.tree, parts.specs, meta).decode(),
+            "sender": [sender.address, sender.hostname, sender.pid],
+            "received_at": capture.received_at,
+            "caught_at": capture.caught_at,
+            "consistent": capture.consistent,
+        })
+    metadata = {"format": FORMAT, "version": str(FORMAT_VERSION),
+                "captures": json.dumps(records, separators=(",", ":")),
+                "dropped": json.dumps(dropped or {})}
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        serialize_file(tensors, str(temporary), metadata=metadata)
+    except BaseException as exc:
+        _remove_quietly(temporary)
+        if isinstance(exc, Exception) and not isinstance(exc, OSError):
+            # The package reports a full disk as its own error; keep the errno if it gave one.
+            raise OSError(_errno_in(str(exc)), f"writing {path} failed: {exc}") from exc
+        raise
+    return temporary
+
+
+def commit(temporary: Path, path: Path) -> int:
+    """Flush a segment written by :func:`write_unflushed` and give it its name; return its
+    size. Raises ``OSError`` (the temporary file removed) if flushing fails."""
+    try:
+        _flush(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        _remove_quietly(temporary)
+        raise
+    _flush(path.parent)
+    return os.stat(path).st_size
+
+
+def _safetensors_writer() -> tuple[Any, Any]:
+    try:
+        from safetensors import TensorSpec, serialize_file
+    except ImportError:
+        raise ImportError("saving captures needs the safetensors package (0.8 or later): "
+                          "pip install 'thing[save]'") from None
+    return serialize_file, TensorSpec
+
+
+def _flush(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _errno_in(message: str) -> int:
+    """The errno a message from the package names (ENOSPC for "No space left"), else EIO."""
+    lowered = message.lower()
+    if "no space" in lowered or "os error 28" in lowered:
+        return errno.ENOSPC
+    if "quota" in lowered or "os error 122" in lowered:
+        return errno.EDQUOT
+    if "too large" in lowered or "os error 27" in lowered:
+        return errno.EFBIG
+    return errno.EIO
+
+
+# -- reading ------------------------------------------------------------------------
+
+
+def read_segment(path: Path) -> Segment:
+    """Read and check a whole segment; raise :class:`BadRecording` if anything is wrong.
+
+    Nothing in the file is executed or trusted: every offset is checked against
+    the file's size, every capture's header is validated as a frame's is. The
+    arrays returned are the file itself, mapped copy-on-write (writing to one
+    changes this process's copy only).
+    """
+    try:
+        return _read(path)
+    except ProtocolError as exc:  # a capture header, as the wire's validation found it
+        raise BadRecording(f"{path}: {exc}") from None
+
+
+def _read(path: Path) -> Segment:
+    try:
+        # O_NOFOLLOW: a recording's files are its own, never links to elsewhere. O_NONBLOCK:
+        # opening a FIFO put in its place would otherwise wait for a writer, forever.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BadRecording(f"{path} is a symbolic link; a recording's files must be "
+                               "its own") from None
+        raise
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise BadRecording(f"{path} is not a regular file")
+        size = info.st_size
+        if size < 8:
+            raise BadRecording(f"{path} is truncated: {size} bytes")
+        mapped = mmap.mmap(descriptor, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(descriptor)
+    (header_len,) = struct.unpack_from("<Q", mapped, 0)
+    if header_len > min(size - 8, MAX_FILE_HEADER):
+        raise BadRecording(f"{path}: its header claims {header_len} bytes but the file "
+                           f"holds {size - 8} after the length")
+    raw = mapped[8:8 + header_len]
+    _check_cost(raw, path)
+    document = wire.load_json(raw, "safetensors header", BadRecording)
+    if not isinstance(document, dict):
+        raise BadRecording(f"{path}: the safetensors header is not a JSON object")
+    metadata = document.pop("__metadata__", None)
+    records, dropped = _thing_metadata(metadata, path)
+    data_start = 8 + header_len
+    tensors = _tensor_table(document, size - data_start, path)
+    # As a server would take them, and as large as they are (this server may take less).
+    limits = wire.Limits()
+    limits = replace(limits, max_capture_bytes=max(limits.max_capture_bytes, size))
+    captures = [_capture(index, record, tensors, mapped, data_start, limits, path)
+                for index, record in enumerate(records)]
+    if sum(len(c.capture.leaves) for c in captures) != len(tensors):
+        raise BadRecording(f"{path} holds tensors that no capture uses")
+    return Segment(captures, dropped)
+
+
+def _check_cost(raw: bytes, path: Path) -> None:
+    """Refuse, unparsed, a header whose JSON would take far more memory than its size."""
+    try:
+        wire.header_cost(raw, wire.Limits(max_header_bytes=MAX_FILE_HEADER // 8))
+    except ProtocolError as exc:
+        raise BadRecording(f"{path}: {exc}") from None
+
+
+def _thing_metadata(metadata: Any, path: Path) -> tuple[list[Any], dict[str, int]]:
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        raise BadRecording(f"{path} is a safetensors file, but not one of thing's recordings")
+    if metadata.get("version") != str(FORMAT_VERSION):
+        raise BadRecording(f"{path} is of recording format version "
+                           f"{str(metadata.get('version'))[:20]!r}; this thing reads "
+                           f"version {FORMAT_VERSION}")
+    records = _json_field(metadata, "captures", path)
+    dropped = _json_field(metadata, "dropped", path)
+    if not isinstance(records, list):
+        raise BadRecording(f"{path}: its captures are not a list")
+    if not (isinstance(dropped, dict) and all(
+            isinstance(reason, str) and wire.is_int(count) and 0 <= count < 1 << 62
+            for reason, count in dropped.items())):
+        raise BadRecording(f"{path}: its count of dropped captures is malformed")
+    return records, {wire.printable(reason[:200]): count for reason, count in dropped.items()}
+
+
+def _json_field(metadata: dict[str, Any], key: str, path: Path) -> Any:
+    text = metadata.get(key)
+    if not isinstance(text, str):
+        raise BadRecording(f"{path}: its metadata has no {key!r}")
+    return wire.load_json(text.encode("utf-8", "surrogatepass"), f"{path}: {key!r}",
+                           BadRecording)
+
+
+class _Tensor(NamedTuple):
+    dtype: str  # safetensors' name
+    shape: tuple[int, ...]
+    begin: int  # offsets into the data, after the header
+    end: int
+
+
+def _tensor_table(document: dict[str, Any], data_len: int, path: Path) -> dict[str, _Tensor]:
+    """Check the tensor table as safetensors defines it: every tensor's bytes within the
+    data, in its dtype's alignment, and together covering the data exactly once."""
+    tensors = {}
+    for key, entry in document.items():
+        if not (isinstance(entry, dict) and set(entry) == {"dtype", "shape", "data_offsets"}):
+            raise BadRecording(f"{path}: tensor {key[:100]!r} is not described by a dtype, "
+                               "a shape and data offsets")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in _ITEMSIZE:
+            raise BadRecording(f"{path}: tensor {key[:100]!r} has an unknown dtype")
+        if not (isinstance(shape, list) and len(shape) <= 65
+                and all(wire.is_int(extent) and extent >= 0 for extent in shape)):
+            raise BadRecording(f"{path}: tensor {key[:100]!r} has a malformed shape")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(wire.is_int(offset) for offset in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_len):
+            raise BadRecording(f"{path}: tensor {key[:100]!r} claims bytes "
+                               f"{str(offsets)[:60]} of data that holds {data_len}")
+        begin, end = offsets
+        if math.prod(shape) * _ITEMSIZE[dtype] != end - begin:
+            raise BadRecording(f"{path}: tensor {key[:100]!r} of shape {shape} has "
+                               f"{end - begin} bytes")
+        if begin % min(_ITEMSIZE[dtype], 8):
+            raise BadRecording(f"{path}: tensor {key[:100]!r} is not aligned")
+        tensors[key] = _Tensor(dtype, tuple(shape), begin, end)
+    covered = 0
+    for tensor in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+        if tensor.begin != covered:
+            raise BadRecording(f"{path}: its tensors overlap or leave a gap at byte {covered}")
+        covered = tensor.end
+    if covered != data_len:
+        raise BadRecording(f"{path}: its tensors end at byte {covered} of {data_len} "
+                           "(truncated, or extra bytes)")
+    return tensors
+
+
+def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: mmap.mmap,
+             data_start: int, limits: wire.Limits, path: Path) -> LoadedCapture:
+    where = f"{path}, capture {index}"
+    if not (isinstance(record, dict) and set(record) == _RECORD_KEYS):
+        raise BadRecording(f"{where}: not a capture record")
+    raw_header = record["header"]
+    sender = record["sender"]
+    received_at, caught_at = record["received_at"], record["caught_at"]
+    if not isinstance(raw_header, str):
+        raise BadRecording(f"{where}: its header is not a string")
+    if not (isinstance(sender, list) and len(sender) == 3 and isinstance(sender[0], str)
+            and isinstance(sender[1], str) and wire.is_int(sender[2])):
+        raise BadRecording(f"{where}: its sender is malformed")
+    if not (_is_time(received_at) and (caught_at is None or _is_time(caught_at))
+            and isinstance(record["consistent"], bool)):
+        raise BadRecording(f"{where}: its times or consistent flag are malformed")
+    keys = []
+    for leaf in range(len(tensors) + 1):
+        if f"{index}.{leaf}" not in tensors:
+            break
+        keys.append(f"{index}.{leaf}")
+    raw = raw_header.encode("utf-8", "surrogatepass")
+    payload_len = sum(tensors[key].end - tensors[key].begin for key in keys)
+    wire.header_cost(raw, limits)
+    header = wire.decode_header(raw, payload_len, limits)
+    if len(header.leaves) != len(keys):
+        raise BadRecording(f"{where}: its header lists {len(header.leaves)} arrays, the file "
+                           f"holds {len(keys)}")
+    arrays = []
+    for spec, key in zip(header.leaves, keys):
+        tensor = tensors[key]
+        if tensor.dtype != SAFETENSORS_DTYPES[spec.dtype] or tensor.shape != tensor_shape(spec):
+            raise BadRecording(f"{where}: tensor {key} is {tensor.dtype} {list(tensor.shape)}, "
+                               f"its header says {spec.dtype} {list(spec.shape)}")
+        carrier = CARRIER_DTYPES[spec.dtype]
+        array = np.frombuffer(mapped, carrier, math.prod(spec.shape), data_start + tensor.begin)
+        arrays.append(array.reshape(spec.shape))
+    address, hostname, pid = (wire.printable(sender[0][:300]), wire.printable(sender[1][:300]),
+                              sender[2])
+    known = KnownHeader.of(header, Sender(address, hostname, pid))
+    if known.notice:
+        raise BadRecording(f"{where}: a notice of an unsent capture, not a capture")
+    if known.sparse:
+        wire.check_received(header.tree, arrays)
+    value = wire.ReceivedValue(header.tree, header.leaves, arrays)
+    capture = Capture(-1, known.name, value, header.leaves, payload_len, known.sender,
+                      received_at=received_at, caught_at=caught_at, call_site=known.call_site,
+                      consistent=record["consistent"])
+    return LoadedCapture(capture, known.record_bytes)
+
+
+def _is_time(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(
+        value)
