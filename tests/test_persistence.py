@@ -11,6 +11,7 @@ them reaches the store.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -210,11 +211,52 @@ def test_loaded_arrays_are_mapped_not_read(tmp_path: Path) -> None:
     loaded.load(tmp_path / "big")
     array = loaded.get("big").value
     assert np.array_equal(array, big)
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap)  # not a copy
     assert loaded.held_bytes < 1 << 20  # its record only: the bytes stay in the file
     array[0] = 99  # copy-on-write: this process's copy, not the file
     reloaded = HistoryStore()
     reloaded.load(tmp_path / "big")
     assert reloaded.get("big").value[0] == 0
+
+
+def test_captures_with_large_headers_are_spread_over_segments(tmp_path: Path) -> None:
+    """Header-borne values (long lists) count towards a segment's size, not only arrays:
+    every segment written stays one a reader takes."""
+    store = HistoryStore()
+    for index in range(4_000):
+        store.add("list", [index] * 600, (), 0, Sender("a:1"))
+    assert store.save(tmp_path / "lists") == 4_000
+    assert len(segments_of(tmp_path / "lists")) > 1
+    loaded = HistoryStore()
+    assert loaded.load(tmp_path / "lists") == 4_000
+    assert loaded.get("list", index=0).value == [3_999] * 600
+
+
+def test_a_load_keeps_the_newest_that_fit_the_cap(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Older segments than the cap holds are checked, not kept: memory follows the cap."""
+    recording = tmp_path / "three"
+    recording.mkdir()
+    for number in (1, 2, 3):
+        store = HistoryStore()
+        for index in range(10):
+            store.add("note", f"{number}:{index}:" + "x" * 10_000, (), 0, Sender("a:1"),
+                      received_at=number * 100.0 + index)
+        store.save(tmp_path / f"part{number}")
+        os.rename(segment_path(tmp_path / f"part{number}", 1), segment_path(recording, number))
+    one_segment = sum(HistoryStore.record_bytes("note", "x" * 10_010, None) for _ in range(10))
+    small = HistoryStore(max_bytes=one_segment * 3 // 2)
+    assert small.load(recording) == 20  # the newest two segments read; the store keeps less
+    notes = [c.value.split(":")[:2] for c in small.get_all("note")]
+    assert notes[-1] == ["3", "9"] and all(number != "1" for number, _ in notes)
+    assert small.held_bytes <= small.max_bytes
+    assert "10 older ones do not fit" in caplog.text
+    segment_path(recording, 1).write_bytes(b"damaged")  # left out, but still checked
+    with pytest.raises(BadRecording):
+        HistoryStore(max_bytes=one_segment).load(recording)
 
 
 # -- bad files ----------------------------------------------------------------------

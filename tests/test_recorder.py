@@ -23,7 +23,7 @@ import pytest
 
 import thing
 from thing.errors import ThingError
-from thing.recorder import DISK_FULL, Recorder
+from thing.recorder import DISK_FULL, FALLING_BEHIND, Recorder
 from thing.recording import segments_of
 from thing.store import HistoryStore
 
@@ -161,6 +161,25 @@ def test_the_byte_budget_deletes_the_oldest_segments(tmp_path: Path) -> None:
     assert written[-1].kept_bytes <= 300_000 and len(written) > len(kept)
     steps = _steps(tmp_path / "rec")
     assert steps == list(range(200 - len(steps), 200))  # the newest, none missing
+
+
+def test_a_sender_faster_than_the_writer_is_slowed_not_dropped(tmp_path: Path) -> None:
+    """Past max_pending_bytes a receiving thread waits for the writer (the sender's frames
+    wait in its queue); past max_wait it gives up, and the capture is counted as dropped."""
+    options = {"segment_bytes": 1 << 20, "segment_seconds": 0.3, "max_pending_bytes": 200_000}
+    with thing.Server(port=0) as server:
+        patient = server.record(tmp_path / "patient", **options)
+        run_script(STREAM, server.port, COUNT="20", SIZE="8192", WAIT="1")  # 64 KiB each
+    assert patient.dropped == {} and patient.written == 20
+    assert _steps(tmp_path / "patient") == list(range(20))
+    with thing.Server(port=0) as server:
+        hasty = server.record(tmp_path / "hasty", max_wait=0.05, **options)
+        run_script(STREAM, server.port, COUNT="20", SIZE="8192", WAIT="1")
+    assert hasty.dropped.get(FALLING_BEHIND, 0) > 0
+    assert hasty.written + hasty.dropped[FALLING_BEHIND] == 20
+    recorded = HistoryStore()
+    recorded.load(tmp_path / "hasty")
+    assert recorded.overview().undelivered == {FALLING_BEHIND: hasty.dropped[FALLING_BEHIND]}
 
 
 def test_one_recorder_per_directory(tmp_path: Path) -> None:

@@ -33,13 +33,14 @@ from typing import NamedTuple, Optional
 
 from .errors import ThingError
 from .recording import TEMPORARY_NAME, PathLike, segment_path, segments_of
-from .segments import commit, write_unflushed
+from .segments import commit, write_segment, write_unflushed
 from .store import Capture, HistoryStore
 
 log = logging.getLogger("thing")
 
 DISK_FULL = "disk full"
 FALLING_BEHIND = "recorder behind"  # more waiting to be written than it may hold
+CLOSED = "recorder closed"  # stored as the recorder closed, after its last segment
 LOCK_NAME = ".thing-recorder.lock"
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -101,8 +102,8 @@ class Recorder:
         self._unreported: dict[str, int] = {}  # dropped, not yet in a segment's metadata
         self._pending: list[Capture] = []
         self._arrivals: list[float] = []  # monotonic time each pending capture came
+        self._finished = False  # the writer took its last segment: nothing more is taken
         self._pending_bytes = 0
-        self._oldest_pending = 0.0  # monotonic time the open segment's first capture came
         self._changed = threading.Condition()
         self._closing = False
         self._thread: Optional[threading.Thread] = None  # takes segments and writes them
@@ -124,7 +125,7 @@ class Recorder:
                 os.unlink(entry.path)
         existing = segments_of(self.directory)
         self._next_number = existing[-1][0] + 1 if existing else 1
-        self._closing = False
+        self._closing = self._finished = False
         self._thread = threading.Thread(target=self._run, name="thing-recorder", daemon=True)
         self._flusher = threading.Thread(target=self._flush_in_order, name="thing-recorder-flush",
                                          daemon=True)
@@ -146,6 +147,14 @@ class Recorder:
         assert self._flusher is not None
         self._flusher.join()
         self._thread = self._flusher = None
+        if self._unreported:  # a last segment failed: say what was lost, if the disk lets us
+            try:
+                write_segment(segment_path(self.directory, self._next_number), [],
+                              self._unreported)
+                self._unreported = {}
+            except OSError as exc:
+                log.warning("recorder: could not record what was dropped (%s): %s",
+                            self.dropped, exc)
         if self._lock_file is not None:
             os.close(self._lock_file)
             self._lock_file = None
@@ -173,19 +182,18 @@ class Recorder:
                     self._drop(FALLING_BEHIND, 1)
                     return
                 self._changed.wait(remaining)
-            first = not self._pending
-            now = time.monotonic()
-            if first:
-                self._oldest_pending = now
+            if self._finished:  # stored as the recorder closed, after its last segment
+                self._drop(CLOSED, 1)
+                return
             self._pending.append(capture)
-            self._arrivals.append(now)
+            self._arrivals.append(time.monotonic())
             self._pending_bytes += capture.nbytes
-            if first or self._segment_due():  # the writer sets its clock by the first
+            if len(self._pending) == 1 or self._segment_due():  # the first starts the clock
                 self._changed.notify_all()
 
-    def _take_segment(self) -> list[Capture]:
-        """The oldest pending captures, as many as one segment holds (one at least); the
-        caller holds ``_changed``."""
+    def _take_segment(self) -> tuple[list[Capture], list[float]]:
+        """The oldest pending captures, as many as one segment holds (one at least), with
+        when they came; the caller holds ``_changed``."""
         count, nbytes = 0, 0
         for capture in self._pending:
             if count and (count >= self.segment_captures
@@ -193,13 +201,10 @@ class Recorder:
                 break
             count += 1
             nbytes += capture.nbytes
-        batch = self._pending[:count]
-        del self._pending[:count]
-        del self._arrivals[:count]
+        batch, arrivals = self._pending[:count], self._arrivals[:count]
+        del self._pending[:count], self._arrivals[:count]
         self._pending_bytes -= nbytes
-        if self._arrivals:
-            self._oldest_pending = self._arrivals[0]
-        return batch
+        return batch, arrivals
 
     def _segment_due(self) -> bool:
         return (self._pending_bytes >= self.segment_bytes
@@ -210,70 +215,84 @@ class Recorder:
             with self._changed:
                 while not self._closing:
                     if self._pending and (self._segment_due() or time.monotonic()
-                                          >= self._oldest_pending + self.segment_seconds):
+                                          >= self._arrivals[0] + self.segment_seconds):
                         break
-                    wait = (self._oldest_pending + self.segment_seconds - time.monotonic()
+                    wait = (self._arrivals[0] + self.segment_seconds - time.monotonic()
                             if self._pending else None)
                     self._changed.wait(wait)
-                batch = self._take_segment()
+                batch, arrivals = self._take_segment()
                 dropped, self._unreported = self._unreported, {}
-                finished = self._closing and not self._pending  # closing writes every one
+                self._finished = finished = self._closing and not self._pending
                 self._changed.notify_all()  # receivers waiting for room have it
-            if batch:
-                self._write(batch, dropped)
-            if finished:
-                return
+            if batch or (finished and dropped):  # at the end, an empty one tells what dropped
+                self._write(batch, arrivals, dropped)
+            with self._changed:
+                if self._finished:  # still: _write may have given captures back
+                    return
 
-    def _write(self, batch: list[Capture], dropped: dict[str, int]) -> None:
+    def _write(self, batch: list[Capture], arrivals: list[float],
+               dropped: dict[str, int]) -> None:
         """Write a segment; the flusher thread flushes and names it while the next is written
         (flushing each one before writing the next would leave the disk idle between them)."""
         path = segment_path(self.directory, self._next_number)
         self._next_number += 1
         try:
-            temporary = write_unflushed(path, batch, dropped)
+            temporary, written = write_unflushed(path, batch, dropped)
         except Exception as exc:
             self._failed(exc, path, len(batch), dropped)
             return
-        self._unflushed.put(_Unflushed(temporary, path, len(batch), dropped))
+        if written < len(batch):  # their records fill a segment's header: the rest wait
+            with self._changed:
+                self._pending[:0] = batch[written:]
+                self._arrivals[:0] = arrivals[written:]
+                self._pending_bytes += sum(capture.nbytes for capture in batch[written:])
+                self._finished = False
+        self._unflushed.put(_Unflushed(temporary, path, written, dropped))
 
     def _flush_in_order(self) -> None:
         while (segment := self._unflushed.get()) is not None:
             try:
-                size = commit(segment.temporary, segment.path)
-            except Exception as exc:
-                self._failed(exc, segment.path, segment.captures, segment.dropped)
-                continue
-            if self._failing is not None:
-                log.warning("recorder: writing again to %s (%s)", self.directory,
-                            ", ".join(f"{count} dropped: {reason}"
-                                      for reason, count in self.dropped.items()))
-                self._failing = None
+                self._flush(segment)
+            except Exception:  # this thread must outlive anything, or close() would wait
+                log.exception("recorder: could not finish %s", segment.path)
+
+    def _flush(self, segment: _Unflushed) -> None:
+        try:
+            size = commit(segment.temporary, segment.path)
+        except Exception as exc:
+            self._failed(exc, segment.path, segment.captures, segment.dropped)
+            return
+        with self._changed:
             self.written += segment.captures
             self.segments += 1
-            kept = self._enforce_budget()
-            if self.on_segment is not None:
-                try:
-                    self.on_segment(SegmentWritten(segment.path, segment.captures, size,
-                                                   len(kept), sum(size for _, size in kept)))
-                except Exception:  # the caller's callback must not end the recording
-                    log.exception("recorder: on_segment failed")
+            recovered = self._failing is not None
+            self._failing = None
+            dropped = dict(self.dropped)
+        if recovered:
+            log.warning("recorder: writing again to %s (%s)", self.directory,
+                        ", ".join(f"{count} dropped: {reason}"
+                                  for reason, count in dropped.items()))
+        kept = self._enforce_budget()
+        if self.on_segment is not None:
+            self.on_segment(SegmentWritten(segment.path, segment.captures, size, len(kept),
+                                           sum(size for _, size in kept)))
 
     def _failed(self, exc: Exception, path: Path, captures: int, dropped: dict[str, int]) -> None:
         """A segment could not be written or flushed: its captures are dropped, counted."""
         if isinstance(exc, OSError):
             reason = DISK_FULL if exc.errno in _FULL_ERRNOS else f"write failed ({exc.strerror})"
-            if self._failing != reason:
-                log.warning("recorder: %s: dropped %d captures; still receiving, and writing "
-                            "again as soon as it can", exc, captures)
         else:  # a capture the writer cannot take must not end the recording
             reason = "write failed"
-            log.error("recorder: could not write %d captures to %s", captures, path,
-                      exc_info=exc)
-        self._failing = reason
         with self._changed:
             for earlier, count in dropped.items():  # the segment that would have told is gone
                 self._unreported[earlier] = self._unreported.get(earlier, 0) + count
             self._drop(reason, captures)
+            new = self._failing != reason
+            self._failing = reason
+        if new:
+            log.warning("recorder: writing %s failed (%s): dropped %d captures; still "
+                        "receiving, and writing again as soon as it can", path, exc, captures,
+                        exc_info=not isinstance(exc, OSError))
 
     def _drop(self, reason: str, count: int) -> None:
         """Count captures not recorded (the caller holds ``_changed``)."""

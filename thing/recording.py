@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Union
 
 from .errors import BadRecording, ThingError
-from .segments import Segment, read_segment, write_segment
-from .store import Capture, HistoryStore, Sender
+from .segments import KnownHeaders, Segment, read_segment, write_segment
+from .store import HistoryStore, Sender
 
 log = logging.getLogger("thing")
 
@@ -58,42 +58,54 @@ def save(store: HistoryStore, path: PathLike, names: Iterable[str] | None = None
     else:
         captures = sorted((capture for name in dict.fromkeys(names)
                            for capture in store.get_all(name)), key=lambda c: c.received_at)
-    batch: list[Capture] = []
-    held, number = 0, 0
-    for capture in captures:
-        batch.append(capture)
-        held += capture.nbytes
-        if held >= SAVE_SEGMENT_BYTES:
-            number += 1
-            write_segment(segment_path(directory, number), batch)
-            batch, held = [], 0
-    if batch or not number:
-        write_segment(segment_path(directory, number + 1), batch)
+    number, start = 0, 0
+    while start < len(captures) or not number:  # an empty history is an empty segment
+        held, stop = 0, start
+        while stop < len(captures) and (stop == start or held < SAVE_SEGMENT_BYTES):
+            held += captures[stop].nbytes
+            stop += 1
+        number += 1
+        start += write_segment(segment_path(directory, number), captures[start:stop])
     return len(captures)
 
 
 def load(path: PathLike, store: HistoryStore) -> int:
-    """Read a recording into ``store``; return how many captures it held.
+    """Read a recording into ``store``; return how many captures were added.
 
     Every segment is read and checked before anything is added: a bad file is
-    refused with :class:`~thing.errors.BadRecording` and nothing is loaded. A
-    segment a live recorder deletes meanwhile (its byte budget) is skipped.
+    refused with :class:`~thing.errors.BadRecording` and nothing is loaded.
+    Segments are read newest first, and once their captures' records fill the
+    store's cap the older ones are checked but not kept (the store would evict
+    them at once). A segment a live recorder deletes meanwhile (its byte
+    budget) is skipped.
     """
     directory = Path(path)
     if not directory.is_dir():
         raise BadRecording(f"{directory} is not a directory (a recording is one)")
-    segments: list[Segment] = []
-    for _, segment in segments_of(directory):
-        try:
-            segments.append(read_segment(segment))
-        except FileNotFoundError:
-            log.info("%s was removed while it was being loaded; skipped", segment)
-    loaded = [entry for segment in segments for entry in segment.captures]
-    store.restore([entry.capture for entry in loaded], [entry.charge for entry in loaded])
+    kept: list[Segment] = []
+    held = left_out = 0
     dropped: dict[str, int] = {}
-    for segment in segments:  # each says what its recorder dropped since the segment before
+    known_headers: KnownHeaders = {}
+    for _, segment_file in reversed(segments_of(directory)):
+        try:
+            segment = read_segment(segment_file, known_headers)
+        except FileNotFoundError:
+            log.info("%s was removed while it was being loaded; skipped", segment_file)
+            continue
+        # Each says what its recorder dropped since the segment before it.
         for reason, count in segment.dropped.items():
             dropped[reason] = dropped.get(reason, 0) + count
+        if held < store.max_bytes:
+            kept.append(segment)
+            held += sum(entry.charge for entry in segment.captures)
+        else:
+            left_out += len(segment.captures)
+    loaded = [entry for segment in reversed(kept) for entry in segment.captures]
+    store.restore([entry.capture for entry in loaded], [entry.charge for entry in loaded])
     if dropped:
         store.note_undelivered(Sender(f"recording {directory}", "recorder", 0), dropped)
+    if left_out:
+        log.warning("loaded the newest %d captures of %s; %d older ones do not fit the "
+                    "history's cap (HistoryStore(max_bytes=...), THING_STORE_BYTES)",
+                    len(loaded), directory, left_out)
     return len(loaded)

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import mmap
 import os
+import re
 import stat
 import struct
 from collections.abc import Sequence
@@ -37,11 +39,18 @@ from .errors import BadRecording, ProtocolError
 from .receiver import KnownHeader
 from .store import Capture, Sender
 
+log = logging.getLogger("thing")
+
 FORMAT = "thing-history"
 FORMAT_VERSION = 1
-# The largest header a segment may have: safetensors' own limit. Ours are a few hundred
-# bytes per capture, and a segment holds at most a few thousand captures.
+# The largest header a reader takes: safetensors' own limit; and what its JSON may cost
+# once parsed (wire.parsed_cost), beyond which it is refused unparsed.
 MAX_FILE_HEADER = 100_000_000
+MAX_FILE_COST = 4 * MAX_FILE_HEADER
+# What a writer puts in one segment's header at most, far below what a reader takes: a
+# segment of captures with large header-borne values (long lists, dicts) holds fewer.
+MAX_WRITTEN_HEADER = 16 << 20
+MAX_WRITTEN_COST = 64 << 20
 
 # Wire dtype -> the safetensors dtype that holds it. complex128 has none: it is kept as
 # float64 pairs (a last axis of 2: real, imaginary), as numpy lays it out.
@@ -83,47 +92,49 @@ def tensor_shape(spec: LeafSpec) -> tuple[int, ...]:
 
 def write_segment(path: Path, captures: Sequence[Capture],
                   dropped: dict[str, int] | None = None) -> int:
-    """Write ``captures`` to ``path`` all or nothing; return the bytes written.
+    """Write the first of ``captures`` (all, unless their records would make a header
+    larger than a segment's) to ``path``, all or nothing; return how many were written.
 
     The file is written under a temporary name, flushed to disk, then renamed,
     and the directory flushed too: a crash at any moment leaves either no file
     or the whole file. Raises ``OSError`` (the temporary file removed) when the
     disk is full or the write fails.
     """
-    return commit(write_unflushed(path, captures, dropped), path)
+    temporary, written = write_unflushed(path, captures, dropped)
+    commit(temporary, path)
+    return written
 
 
 def write_unflushed(path: Path, captures: Sequence[Capture],
-                    dropped: dict[str, int] | None = None) -> Path:
+                    dropped: dict[str, int] | None = None) -> tuple[Path, int]:
     """The first half of :func:`write_segment`: write the file under its temporary name,
-    not yet flushed; return that name (:func:`commit` does the rest)."""
+    not yet flushed; return that name and how many captures it holds (:func:`commit`
+    does the rest)."""
     serialize_file, tensor_spec = _safetensors_writer()
     tensors: dict[str, Any] = {}
     alive: list[np.ndarray] = []  # the package reads raw pointers: keep their arrays alive
-    records = []
+    records: list[str] = []
+    header_bytes = header_cost = 0
     for index, capture in enumerate(captures):
         parts = capture.parts()
+        record = _record_of(capture, parts)
+        # The tensor table's entries cost about as much again as each leaf's in the record.
+        record_bytes = len(record) + 100 * len(parts.specs)
+        record_cost = wire.parsed_cost(record.encode()) + 500 * len(parts.specs)
+        if records and (header_bytes + record_bytes > MAX_WRITTEN_HEADER
+                        or header_cost + record_cost > MAX_WRITTEN_COST):
+            break  # the rest go into the next segment
+        header_bytes += record_bytes
+        header_cost += record_cost
+        records.append(record)
         for leaf, (spec, array) in enumerate(zip(parts.specs, parts.arrays)):
             array = np.ascontiguousarray(array)
             alive.append(array)
             tensors[f"{index}.{leaf}"] = tensor_spec(
                 dtype=_PACKAGE_DTYPES[spec.dtype], shape=tensor_shape(spec),
                 data_ptr=array.ctypes.data, data_len=array.nbytes)
-        sender = capture.sender
-        meta: dict[str, Any] = {}
-        if capture.call_site is not None:
-            meta["site"] = capture.call_site
-        if sender.rank is not None or sender.world_size is not None:
-            meta["rank"], meta["world_size"] = sender.rank, sender.world_size
-        records.append({
-            "header": wire.describe_capture(capture.name, parts.tree, parts.specs, meta).decode(),
-            "sender": [sender.address, sender.hostname, sender.pid],
-            "received_at": capture.received_at,
-            "caught_at": capture.caught_at,
-            "consistent": capture.consistent,
-        })
     metadata = {"format": FORMAT, "version": str(FORMAT_VERSION),
-                "captures": json.dumps(records, separators=(",", ":")),
+                "captures": "[" + ",".join(records) + "]",
                 "dropped": json.dumps(dropped or {})}
     temporary = path.with_name(f".{path.name}.tmp")
     try:
@@ -134,7 +145,24 @@ def write_unflushed(path: Path, captures: Sequence[Capture],
             # The package reports a full disk as its own error; keep the errno if it gave one.
             raise OSError(_errno_in(str(exc)), f"writing {path} failed: {exc}") from exc
         raise
-    return temporary
+    return temporary, len(records)
+
+
+def _record_of(capture: Capture, parts: wire.ReceivedValue) -> str:
+    """A capture's record in a segment's metadata, as JSON (see docs/FORMAT.md)."""
+    sender = capture.sender
+    meta: dict[str, Any] = {}
+    if capture.call_site is not None:
+        meta["site"] = capture.call_site
+    if sender.rank is not None or sender.world_size is not None:
+        meta["rank"], meta["world_size"] = sender.rank, sender.world_size
+    return json.dumps({
+        "header": wire.describe_capture(capture.name, parts.tree, parts.specs, meta).decode(),
+        "sender": [sender.address, sender.hostname, sender.pid],
+        "received_at": capture.received_at,
+        "caught_at": capture.caught_at,
+        "consistent": capture.consistent,
+    }, separators=(",", ":"))
 
 
 def commit(temporary: Path, path: Path) -> int:
@@ -146,7 +174,10 @@ def commit(temporary: Path, path: Path) -> int:
     except BaseException:
         _remove_quietly(temporary)
         raise
-    _flush(path.parent)
+    try:
+        _flush(path.parent)
+    except OSError as exc:  # the file is whole and named; only its name may not last a crash
+        log.warning("could not flush the directory of %s: %s", path, exc)
     return os.stat(path).st_size
 
 
@@ -175,35 +206,37 @@ def _remove_quietly(path: Path) -> None:
 
 
 def _errno_in(message: str) -> int:
-    """The errno a message from the package names (ENOSPC for "No space left"), else EIO."""
-    lowered = message.lower()
-    if "no space" in lowered or "os error 28" in lowered:
-        return errno.ENOSPC
-    if "quota" in lowered or "os error 122" in lowered:
-        return errno.EDQUOT
-    if "too large" in lowered or "os error 27" in lowered:
-        return errno.EFBIG
-    return errno.EIO
+    """The errno of the OS error a message from the package quotes ("(os error 28)"), else
+    EIO: the package wraps the OS's errors in its own."""
+    found = re.search(r"\(os error (\d+)\)", message)
+    return int(found.group(1)) if found else errno.EIO
 
 
 # -- reading ------------------------------------------------------------------------
 
 
-def read_segment(path: Path) -> Segment:
+# Validated capture headers a load keeps, by (header, sender): a recording of a training
+# loop repeats a few headers thousands of times, like a connection (see receiver.py).
+KnownHeaders = dict[tuple[str, str, str, int], KnownHeader]
+MAX_KNOWN_HEADERS = 4096
+
+
+def read_segment(path: Path, known_headers: KnownHeaders | None = None) -> Segment:
     """Read and check a whole segment; raise :class:`BadRecording` if anything is wrong.
 
     Nothing in the file is executed or trusted: every offset is checked against
     the file's size, every capture's header is validated as a frame's is. The
     arrays returned are the file itself, mapped copy-on-write (writing to one
-    changes this process's copy only).
+    changes this process's copy only). ``known_headers`` carries headers already
+    validated from one segment to the next.
     """
     try:
-        return _read(path)
+        return _read(path, {} if known_headers is None else known_headers)
     except ProtocolError as exc:  # a capture header, as the wire's validation found it
         raise BadRecording(f"{path}: {exc}") from None
 
 
-def _read(path: Path) -> Segment:
+def _read(path: Path, known_headers: KnownHeaders) -> Segment:
     try:
         # O_NOFOLLOW: a recording's files are its own, never links to elsewhere. O_NONBLOCK:
         # opening a FIFO put in its place would otherwise wait for a writer, forever.
@@ -227,6 +260,8 @@ def _read(path: Path) -> Segment:
     if header_len > min(size - 8, MAX_FILE_HEADER):
         raise BadRecording(f"{path}: its header claims {header_len} bytes but the file "
                            f"holds {size - 8} after the length")
+    if header_len % 8:  # padded so that every array lies aligned in memory, once mapped
+        raise BadRecording(f"{path}: its header is not padded to a multiple of 8 bytes")
     raw = mapped[8:8 + header_len]
     _check_cost(raw, path)
     document = wire.load_json(raw, "safetensors header", BadRecording)
@@ -239,8 +274,8 @@ def _read(path: Path) -> Segment:
     # As a server would take them, and as large as they are (this server may take less).
     limits = wire.Limits()
     limits = replace(limits, max_capture_bytes=max(limits.max_capture_bytes, size))
-    captures = [_capture(index, record, tensors, mapped, data_start, limits, path)
-                for index, record in enumerate(records)]
+    captures = [_capture(index, record, tensors, mapped, data_start, limits, known_headers,
+                         path) for index, record in enumerate(records)]
     if sum(len(c.capture.leaves) for c in captures) != len(tensors):
         raise BadRecording(f"{path} holds tensors that no capture uses")
     return Segment(captures, dropped)
@@ -248,10 +283,10 @@ def _read(path: Path) -> Segment:
 
 def _check_cost(raw: bytes, path: Path) -> None:
     """Refuse, unparsed, a header whose JSON would take far more memory than its size."""
-    try:
-        wire.header_cost(raw, wire.Limits(max_header_bytes=MAX_FILE_HEADER // 8))
-    except ProtocolError as exc:
-        raise BadRecording(f"{path}: {exc}") from None
+    cost = wire.parsed_cost(raw)
+    if cost > MAX_FILE_COST:
+        raise BadRecording(f"{path}: a header of {len(raw)} bytes holding too many small "
+                           f"values (it would take about {cost} bytes once parsed)")
 
 
 def _thing_metadata(metadata: Any, path: Path) -> tuple[list[Any], dict[str, int]]:
@@ -325,7 +360,8 @@ def _tensor_table(document: dict[str, Any], data_len: int, path: Path) -> dict[s
 
 
 def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: mmap.mmap,
-             data_start: int, limits: wire.Limits, path: Path) -> LoadedCapture:
+             data_start: int, limits: wire.Limits, known_headers: KnownHeaders,
+             path: Path) -> LoadedCapture:
     where = f"{path}, capture {index}"
     if not (isinstance(record, dict) and set(record) == _RECORD_KEYS):
         raise BadRecording(f"{where}: not a capture record")
@@ -345,10 +381,23 @@ def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: mmap.
         if f"{index}.{leaf}" not in tensors:
             break
         keys.append(f"{index}.{leaf}")
-    raw = raw_header.encode("utf-8", "surrogatepass")
     payload_len = sum(tensors[key].end - tensors[key].begin for key in keys)
-    wire.header_cost(raw, limits)
-    header = wire.decode_header(raw, payload_len, limits)
+    address, hostname, pid = (wire.printable(sender[0][:300]), wire.printable(sender[1][:300]),
+                              sender[2])
+    key = (raw_header, address, hostname, pid)
+    known = known_headers.get(key)
+    if known is None:
+        raw = raw_header.encode("utf-8", "surrogatepass")
+        wire.header_cost(raw, limits)
+        known = KnownHeader.of(wire.decode_header(raw, payload_len, limits),
+                               Sender(address, hostname, pid))
+        if known.notice:
+            raise BadRecording(f"{where}: a notice of an unsent capture, not a capture")
+        if len(known_headers) >= MAX_KNOWN_HEADERS:
+            known_headers.clear()
+        known_headers[key] = known
+    header = known.header
+    wire.check_payload_length(header, payload_len)
     if len(header.leaves) != len(keys):
         raise BadRecording(f"{where}: its header lists {len(header.leaves)} arrays, the file "
                            f"holds {len(keys)}")
@@ -361,11 +410,6 @@ def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: mmap.
         carrier = CARRIER_DTYPES[spec.dtype]
         array = np.frombuffer(mapped, carrier, math.prod(spec.shape), data_start + tensor.begin)
         arrays.append(array.reshape(spec.shape))
-    address, hostname, pid = (wire.printable(sender[0][:300]), wire.printable(sender[1][:300]),
-                              sender[2])
-    known = KnownHeader.of(header, Sender(address, hostname, pid))
-    if known.notice:
-        raise BadRecording(f"{where}: a notice of an unsent capture, not a capture")
     if known.sparse:
         wire.check_received(header.tree, arrays)
     value = wire.ReceivedValue(header.tree, header.leaves, arrays)
@@ -376,5 +420,6 @@ def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: mmap.
 
 
 def _is_time(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(
-        value)
+    """Seconds since the epoch that a clock can show (NaN and infinities are not)."""
+    return (isinstance(value, float) or wire.is_int(value)) and -wire.MAX_TIME < value < (
+        wire.MAX_TIME)

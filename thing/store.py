@@ -311,7 +311,10 @@ class HistoryStore:
             if self._sleepers:
                 self._changed.notify_all()
         for listener in listeners:
-            listener(capture)
+            try:
+                listener(capture)
+            except Exception:  # stored and charged already: a listener must not undo that
+                log.exception("a listener of the history failed on capture %d", capture.id)
         return capture
 
     def restore(self, captures: list[Capture], charges: list[int]) -> None:

@@ -69,6 +69,9 @@ ACK_REJECTED = 1
 # The seq of a rejection for a frame whose header was not read. Every frame gets exactly
 # one ack, in frame order, so this always answers the oldest frame not yet answered.
 SEQ_OLDEST_UNANSWERED = (1 << 64) - 1
+# A sender's clock reading beyond this many seconds from the epoch (years 1653 to 5138), or
+# one that is not finite, is stored as no time: nothing could show it as a date.
+MAX_TIME = 1e11
 
 # The longest reason a notice of an unsent capture carries (the rest is cut).
 MAX_REASON = 1000
@@ -349,7 +352,7 @@ def decode_prefix(prefix: bytes) -> FramePrefix:
     if tag != FRAME_TAG or kind not in (KIND_CAPTURE, KIND_SHARED_MEMORY):
         raise ProtocolError(f"bad frame prefix {bytes(prefix)!r}")
     return FramePrefix(kind, header_len, payload_len, seq,
-                       caught_at if math.isfinite(caught_at) else None)
+                       caught_at if -MAX_TIME < caught_at < MAX_TIME else None)
 
 
 def check_frame_size(header_len: int, payload_len: int, limits: Limits) -> None:
@@ -384,12 +387,17 @@ def header_cost(raw: bytes, limits: Limits) -> int:
     is what the receiver charges to the store, and one over
     ``HEADER_COST_FACTOR`` times ``max_header_bytes`` is refused unparsed.
     """
-    cost = (len(raw) + _OBJECT_COST * raw.count(b"{") + _LIST_COST * raw.count(b"[")
-            + _ELEMENT_COST * (raw.count(b",") + 1))
+    cost = parsed_cost(raw)
     if cost > HEADER_COST_FACTOR * limits.max_header_bytes:
         raise LimitExceeded(f"a header of {len(raw)} bytes holding too many small values "
                             f"(it would take about {cost} bytes once parsed)")
     return cost
+
+
+def parsed_cost(raw: bytes) -> int:
+    """At most how many bytes of Python objects parsing the JSON ``raw`` makes, text included."""
+    return (len(raw) + _OBJECT_COST * raw.count(b"{") + _LIST_COST * raw.count(b"[")
+            + _ELEMENT_COST * (raw.count(b",") + 1))
 
 
 def decode_header(raw: bytes, payload_len: int, limits: Limits) -> FrameHeader:
