@@ -87,7 +87,7 @@ def mutate_bytes(data: bytes, rng: random.Random, donors: list[bytes]) -> bytes:
             at = rng.randrange(len(data) + 1)
             data[at:at] = piece
         elif how == 3 and len(data) >= wire.FRAME_PREFIX.size:  # change a length field
-            tag, kind, header_len, payload_len, seq, caught_at = wire.FRAME_PREFIX.unpack(
+            tag, kind, header_len, payload_len, *per_call = wire.FRAME_PREFIX.unpack(
                 bytes(data[: wire.FRAME_PREFIX.size]))
             value = rng.choice(BOUNDARY_INTS + [rng.randrange(2**20)])
             if rng.random() < 0.5:
@@ -95,7 +95,7 @@ def mutate_bytes(data: bytes, rng: random.Random, donors: list[bytes]) -> bytes:
             else:
                 payload_len = value % 2**64
             data[: wire.FRAME_PREFIX.size] = wire.FRAME_PREFIX.pack(
-                tag, kind, header_len, payload_len, seq, caught_at)
+                tag, kind, header_len, payload_len, *per_call)
         elif how == 4 and data:  # repeat a slice
             start = rng.randrange(len(data))
             data[start:start] = data[start : start + rng.randint(1, 32)]
@@ -145,7 +145,7 @@ def header_frame(document: Any, payload: bytes = b"", trailer: bytes | None = No
     header = raw_header if raw_header is not None else json.dumps(document).encode()
     prefix = wire.FRAME_PREFIX.pack(
         wire.FRAME_TAG, kind, len(header) if header_len is None else header_len,
-        len(payload) if payload_len is None else payload_len, 0, 0.0)
+        len(payload) if payload_len is None else payload_len, 0, 0.0, 0, wire.NO_STEP)
     return prefix + header + payload + (wire.encode_trailer(False) if trailer is None else trailer)
 
 
@@ -162,7 +162,7 @@ def fuzzed_frame(rng: random.Random) -> bytes:
         mutated = json.dumps(mutate_header(SEED_HEADERS[index], rng)).encode()
         payload_len = len(rest) - wire.FRAME_TRAILER.size
         return wire.FRAME_PREFIX.pack(wire.FRAME_TAG, wire.KIND_CAPTURE, len(mutated),
-                                      payload_len, index, 0.0) + mutated + rest
+                                      payload_len, index, 0.0, 0, wire.NO_STEP) + mutated + rest
     return rng.randbytes(rng.randrange(1, 200))
 
 
@@ -240,11 +240,14 @@ def test_random_bytes_raise_only_protocol_errors(short: bytes, long: bytes) -> N
 
 @FUZZ
 @given(st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**16 - 1),
-       st.binary(min_size=2, max_size=2), st.integers(0, 2**64 - 1), st.floats())
+       st.binary(min_size=2, max_size=2), st.integers(0, 2**64 - 1), st.floats(),
+       st.integers(0, 2**64 - 1), st.integers(-(2**63), 2**63 - 1))
 def test_random_prefixes_are_checked_against_the_limits(header_len: int, payload_len: int,
                                                         kind: int, tag: bytes, seq: int,
-                                                        caught_at: float) -> None:
-    prefix = wire.FRAME_PREFIX.pack(tag, kind, header_len, payload_len, seq, caught_at)
+                                                        caught_at: float, call: int,
+                                                        step: int) -> None:
+    prefix = wire.FRAME_PREFIX.pack(tag, kind, header_len, payload_len, seq, caught_at, call,
+                                    step)
     try:
         decoded = wire.decode_prefix(prefix)
         wire.check_frame_size(decoded.header_len, decoded.payload_len, LIMITS)

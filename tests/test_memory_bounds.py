@@ -87,8 +87,8 @@ def stalled_header_claims(repl: Repl, count: int = 64) -> list[socket.socket]:
     peers = []
     for _ in range(count):
         peer = repl.peer()
-        peer.sendall(wire.FRAME_PREFIX.pack(wire.FRAME_TAG, wire.KIND_CAPTURE, 1 << 20, 0, 0, 0.0)
-                     + b'{"name": 0,')
+        peer.sendall(wire.FRAME_PREFIX.pack(wire.FRAME_TAG, wire.KIND_CAPTURE, 1 << 20, 0, 0, 0.0,
+                                            0, wire.NO_STEP) + b'{"name": 0,')
         peers.append(peer)
     return peers
 

@@ -378,9 +378,12 @@ def test_leaf_count_and_depth_limits() -> None:
 def test_prefix_checks() -> None:
     small = wire.Limits(max_capture_bytes=1000, max_header_bytes=100)
     good = wire.encode_prefix(b"h" * 100, 900, 5, 2.5)
-    assert wire.decode_prefix(good) == (wire.KIND_CAPTURE, 100, 900, 5, 2.5)
-    # A sender's clock that gives no finite time is no time at all.
-    assert wire.decode_prefix(wire.encode_prefix(b"h", 1, 0, math.nan)).caught_at is None
+    assert wire.decode_prefix(good) == (wire.KIND_CAPTURE, 100, 900, 5, 2.5, None, None)
+    stepped = wire.encode_prefix(b"h", 1, 0, 2.5, call=51, step=-7)
+    assert wire.decode_prefix(stepped)[-2:] == (51, -7)
+    # A sender's clock that gives no time a clock can show is no time at all.
+    for reading in (math.nan, math.inf, -math.inf, 1e300, -1e11):
+        assert wire.decode_prefix(wire.encode_prefix(b"h", 1, 0, reading)).caught_at is None
     wire.check_frame_size(100, 900, small)
     with pytest.raises(LimitExceeded, match="header"):
         wire.check_frame_size(101, 0, small)
@@ -389,9 +392,9 @@ def test_prefix_checks() -> None:
     with pytest.raises(LimitExceeded):
         wire.check_frame_size(10, 2**64 - 1, small)
     for bad in (
-        wire.FRAME_PREFIX.pack(b"XX", wire.KIND_CAPTURE, 10, 10, 0, 0.0),
-        wire.FRAME_PREFIX.pack(wire.FRAME_TAG, 3, 10, 10, 0, 0.0),
-        wire.FRAME_PREFIX.pack(wire.FRAME_TAG, 0, 10, 10, 0, 0.0),
+        wire.FRAME_PREFIX.pack(b"XX", wire.KIND_CAPTURE, 10, 10, 0, 0.0, 0, 0),
+        wire.FRAME_PREFIX.pack(wire.FRAME_TAG, 3, 10, 10, 0, 0.0, 0, 0),
+        wire.FRAME_PREFIX.pack(wire.FRAME_TAG, 0, 10, 10, 0, 0.0, 0, 0),
         good[:-1],
         good + b"\x00",
         b"",

@@ -122,6 +122,7 @@ def catch(
     *,
     copy: bool | None = None,
     block: bool = False,
+    step: int | None = None,
 ) -> CaptureHandle:
     """Send ``obj`` to the thing server without disturbing the caller.
 
@@ -135,8 +136,10 @@ def catch(
     are read in place by the sender thread (a torch tensor changed in place
     before that ends arrives marked ``consistent=False``); ``copy=True``
     copies every array now, ``copy=False`` none. ``block=True`` waits for
-    room instead of dropping when the queue is full. Returns a handle whose
-    ``wait()`` is True once the server stored it; ``error`` says why not.
+    room instead of dropping when the queue is full. ``step=global_step`` is
+    the step the REPL shows and plots (default: the call number of the name,
+    1 for its first call). Returns a handle whose ``wait()`` is True once the
+    server stored it; ``error`` says why not.
     """
     client = _default_client or _make_default_client()
     return client.catch(
@@ -147,6 +150,7 @@ def catch(
         first,
         copy=copy,
         block=block,
+        step=step,
         _frame=sys._getframe(1),
     )
 

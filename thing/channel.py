@@ -88,6 +88,8 @@ class Pending(NamedTuple):
     handle: CaptureHandle
     # For a notice of a capture that could not be sent: {"type": ..., "reason": ...}.
     unsent: dict[str, str] | None = None
+    call: int = 0  # the call number of its name (0: not counted)
+    step: int | None = None  # the step the caller gave
 
 
 # A capture that ended: (pending, capture id if stored, error, reason it counts under).
@@ -178,11 +180,12 @@ class Channel:
 
     def enqueue(self, name: str | None, obj: Any, site: CallSite | None,
                 rank: tuple[int | None, int | None], block: bool, copy: bool | None,
-                snapshot_bytes: int) -> CaptureHandle:
+                snapshot_bytes: int, call: int = 0, step: int | None = None) -> CaptureHandle:
         """Queue a capture of ``obj``: taken apart, room taken, then snapshotted where it must
         be (a full queue costs no copy). Raises :class:`UnsupportedType` for what cannot travel."""
         caught_at = time.time()
-        pending = Pending(name, wire.take_apart(obj), site, caught_at, rank, CaptureHandle(name))
+        pending = Pending(name, wire.take_apart(obj), site, caught_at, rank, CaptureHandle(name),
+                          None, call, step)
         return self._enqueue(pending, block, copy, snapshot_bytes)
 
     def tell_unsent(self, name: str | None, site: CallSite | None,
@@ -517,7 +520,9 @@ class Channel:
             self._log_once(f"send:{pending.name}", logging.WARNING,
                            "thing could not send %r: %s", pending.name, exc)
             return None
-        return wire.encode_prefix(header, payload.nbytes, seq, pending.caught_at), header, views
+        prefix = wire.encode_prefix(header, payload.nbytes, seq, pending.caught_at,
+                                    call=pending.call, step=pending.step)
+        return prefix, header, views
 
     def _header(self, pending: Pending, undelivered: Undelivered) -> bytes:
         """A capture's header: for a single array, the one encoded for the same name,
@@ -571,7 +576,8 @@ class Channel:
         try:
             payload = pending.payload
             prefix = wire.encode_prefix(header, payload.nbytes, seq, pending.caught_at,
-                                        wire.KIND_SHARED_MEMORY)
+                                        wire.KIND_SHARED_MEMORY, call=pending.call,
+                                        step=pending.step)
             message = prefix + header + _trailer(mac, prefix, header, payload)
             sent = socket.send_fds(sock, [message], [fd])
             if sent < len(message):  # only a signal or a timeout splits a message this small

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import operator
 import os
 import sys
 import time
@@ -46,14 +47,23 @@ class _Throttle:
         self.calls = 0
         self.sent = 0
 
-    def admit(self, every: int, first: int | None) -> bool:
-        """Count a call; True if it is one to send (``every`` below 2 sends every call)."""
+    def admit(self, every: int, first: int | None) -> int:
+        """Count a call; its number (from 1) if it is one to send, else 0 (``every`` below 2
+        sends every call)."""
         call = self.calls
         self.calls = call + 1
         if (every > 1 and call % every) or (first is not None and self.sent >= first):
-            return False
+            return 0
         self.sent += 1
-        return True
+        return call + 1
+
+
+def _step_of(step: Any) -> int:
+    """``step=`` as the int the wire carries (numpy and torch integers too)."""
+    step = operator.index(step)
+    if not -(1 << 63) < step < 1 << 63:  # the wire's int64, its least value meaning "none"
+        raise ValueError(f"step={step} does not fit in 64 bits")
+    return step
 
 
 class _ProcessRank:
@@ -166,6 +176,7 @@ class Client:
         *,
         copy: bool | None = None,
         block: bool = False,
+        step: int | None = None,
         _frame: Any = None,
     ) -> CaptureHandle:
         """Queue ``obj``: an array (numpy, torch incl. sparse, jax), a number, a string, bytes,
@@ -178,19 +189,24 @@ class Client:
         sender thread, and a torch tensor changed in place before that ends is
         marked ``consistent=False`` in the REPL. ``copy=True`` copies every
         array now; ``copy=False`` copies none. ``block=True`` waits for room
-        in a full queue instead of dropping. Never raises: the handle's
-        ``wait()`` is False and its ``error`` says why when not stored.
+        in a full queue instead of dropping. Every call of a name is numbered
+        (from 1, throttled calls counted); ``step=`` (an int, e.g. the global
+        step) is the step the REPL shows and plots instead of that number.
+        Never raises: the handle's ``wait()`` is False and its ``error`` says
+        why when not stored.
         """
         site = None
         try:
             if name is None:
                 name, site = self._names.name_for(_frame or sys._getframe(1))
-            if every != 1 or first is not None:
-                throttle = self._throttles.get(name)
-                if throttle is None:
-                    throttle = self._new_throttle(name)
-                if not throttle.admit(int(every), first):
-                    return SKIPPED
+            throttle = self._throttles.get(name)
+            if throttle is None:
+                throttle = self._new_throttle(name)
+            call = throttle.admit(int(every), first)
+            if not call:
+                return SKIPPED
+            if step is not None:
+                step = _step_of(step)
             if site is None:  # given a name: where it was caught still helps describe()
                 site = self._names.site_for(_frame or sys._getframe(1))
             channel = self._channels.get(server) or self._open_channel(server)
@@ -201,7 +217,7 @@ class Client:
                     self._queue.undelivered["no server"] += 1
                 return NO_SERVER
             return channel.enqueue(name, obj, site, self._rank.read(), block, copy,
-                                   self.snapshot_bytes)
+                                   self.snapshot_bytes, call, step)
         except Exception as exc:  # catch() must never raise into a training loop
             reason = (str(exc) if isinstance(exc, UnsupportedType)
                       else f"{type(exc).__name__}: {exc}")

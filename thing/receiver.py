@@ -258,7 +258,7 @@ class Connection:
         prefix = self._stream.peek(wire.FRAME_PREFIX.size)
         if prefix is None:
             return False
-        _, kind, header_len, payload_len, _, _ = wire.FRAME_PREFIX.unpack(prefix)
+        _, kind, header_len, payload_len, *_ = wire.FRAME_PREFIX.unpack(prefix)
         in_stream = 0 if kind == wire.KIND_SHARED_MEMORY else payload_len
         return self._stream.buffered >= (
             wire.FRAME_PREFIX.size + header_len + in_stream + self._trailer_size)
@@ -417,6 +417,8 @@ class Connection:
             known.sender,
             known.record_bytes,
             caught_at=prefix.caught_at,
+            call=prefix.call,
+            step=prefix.step,
             call_site=known.call_site,
             consistent=not modified,
         )

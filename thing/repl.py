@@ -132,16 +132,19 @@ def load(path: str | os.PathLike[str]) -> int:
 
 
 @_short_traceback
-def get(name_or_id: str | int, index: int = 0, rank: int | None = None) -> Any:
+def get(name_or_id: str | int, index: int = 0, rank: int | None = None, *,
+        step: int | None = None) -> Any:
     """The newest capture of a name (``index=1``: the one before), or the capture with that id.
 
-    Arrays come back as received, without a copy; containers as the same
-    nested list/tuple/dict. ``rank=`` picks that distributed rank's captures.
-    A name's identifier also works (``"model_lm_head_weight"`` for
+    ``step=s`` returns the capture of step ``s``: the step given to
+    ``catch(step=)``, else the call number of the name (1 for its first
+    call, throttled calls counted). Arrays come back as received, without a
+    copy; containers as the same nested list/tuple/dict. ``rank=`` picks
+    that distributed rank's captures. A name's identifier also works (``"model_lm_head_weight"`` for
     ``"model.lm_head.weight"``) when no other name has it. An unknown name
     raises ``KeyError`` listing the closest known names.
     """
-    return value_of(_store().get(name_or_id, index, rank))
+    return value_of(_store().get(name_or_id, index, rank, step))
 
 
 @_short_traceback
@@ -195,15 +198,16 @@ def summary(max_items: int | None = 5) -> None:
 
 
 @_short_traceback
-def describe(name_or_id: str | int, index: int = 0, rank: int | None = None) -> None:
+def describe(name_or_id: str | int, index: int = 0, rank: int | None = None, *,
+             step: int | None = None) -> None:
     """Show everything known about a capture, with min/max/mean/std/L2 norm/NaN/Inf for arrays.
 
-    ``name_or_id``, ``index`` and ``rank`` select the capture as in :func:`get`;
+    ``name_or_id``, ``index``, ``rank`` and ``step`` select the capture as in :func:`get`;
     for a name its sender could not send, the reason.
     """
     from . import display, reports
 
-    display.show(reports.describe(_store(), name_or_id, index, rank))
+    display.show(reports.describe(_store(), name_or_id, index, rank, step))
 
 
 @_short_traceback

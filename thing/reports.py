@@ -117,13 +117,13 @@ def unsent_table(notices: list[UnsentNotice]) -> Table | None:
 
 
 def describe(store: HistoryStore, name_or_id: str | int, index: int = 0,
-             rank: int | None = None) -> Report:
+             rank: int | None = None, step: int | None = None) -> Report:
     """Everything known about a capture, with statistics for its arrays.
 
     A name whose sender could not send it is described by the sender's notice.
     """
     try:
-        capture = store.get(name_or_id, index, rank)
+        capture = store.get(name_or_id, index, rank, step)
     except UnknownName:
         # Only a name with nothing kept is described by notices (of that rank, if asked).
         unknown = isinstance(name_or_id, str) and not store.versions(name_or_id)
@@ -143,6 +143,8 @@ def capture_report(capture: Capture, store: HistoryStore | None = None) -> Repor
         ("id", str(capture.id)),
         ("type", type_name(value)),
     ]
+    if capture.step is not None:
+        pairs.append(("step", step_text(capture)))
     shape, dtype, framework = kind(capture)
     if not is_container(value):
         pairs += [("shape", shape), ("dtype", dtype), ("framework", framework)]
@@ -441,6 +443,15 @@ def ago(timestamp: float, now: float | None = None) -> str:
 def clock(timestamp: float) -> str:
     """Local date and time to the millisecond."""
     return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def step_text(capture: Capture) -> str:
+    """The step, and the call number of its name when a step was given apart from it."""
+    if capture.given_step is None:
+        return f"{capture.call} (the call number of its name)"
+    if capture.call is None:
+        return f"{capture.given_step} (given)"
+    return f"{capture.given_step} (given; call {capture.call} of its name)"
 
 
 def rank_text(capture: Capture) -> str:

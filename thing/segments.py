@@ -67,7 +67,7 @@ _ITEMSIZE = {"BOOL": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "U8": 1, "U16": 2
 # What the package calls them when it writes (numpy's names, and torch's for the rest).
 _PACKAGE_DTYPES = {wire_name: ("float64" if wire_name == "complex128" else wire_name)
                    for wire_name in SAFETENSORS_DTYPES}
-_RECORD_KEYS = {"header", "sender", "received_at", "caught_at", "consistent"}
+_RECORD_KEYS = {"header", "sender", "received_at", "caught_at", "consistent", "call", "step"}
 
 
 class LoadedCapture(NamedTuple):
@@ -162,6 +162,8 @@ def _record_of(capture: Capture, parts: wire.ReceivedValue) -> str:
         "received_at": capture.received_at,
         "caught_at": capture.caught_at,
         "consistent": capture.consistent,
+        "call": capture.call,
+        "step": capture.given_step,
     }, separators=(",", ":"))
 
 
@@ -373,9 +375,13 @@ def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: mmap.
     if not (isinstance(sender, list) and len(sender) == 3 and isinstance(sender[0], str)
             and isinstance(sender[1], str) and wire.is_int(sender[2])):
         raise BadRecording(f"{where}: its sender is malformed")
+    call, step = record["call"], record["step"]
     if not (_is_time(received_at) and (caught_at is None or _is_time(caught_at))
             and isinstance(record["consistent"], bool)):
         raise BadRecording(f"{where}: its times or consistent flag are malformed")
+    if not ((call is None or (wire.is_int(call) and 0 < call < 1 << 64))
+            and (step is None or (wire.is_int(step) and wire.NO_STEP < step < 1 << 63))):
+        raise BadRecording(f"{where}: its call number or step is malformed")
     keys = []
     for leaf in range(len(tensors) + 1):
         if f"{index}.{leaf}" not in tensors:
@@ -415,7 +421,7 @@ def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: mmap.
     value = wire.ReceivedValue(header.tree, header.leaves, arrays)
     capture = Capture(-1, known.name, value, header.leaves, payload_len, known.sender,
                       received_at=received_at, caught_at=caught_at, call_site=known.call_site,
-                      consistent=record["consistent"])
+                      consistent=record["consistent"], call=call, step=step)
     return LoadedCapture(capture, known.record_bytes)
 
 

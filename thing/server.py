@@ -222,9 +222,11 @@ class Server:
 
     # -- queries: the REPL functions, for this server's store ------------------------
 
-    def get(self, name_or_id: str | int, index: int = 0, rank: int | None = None) -> Any:
-        """The newest value of a name (``index=1`` the one before, ...) or the value with an id."""
-        return value_of(self.store.get(name_or_id, index, rank))
+    def get(self, name_or_id: str | int, index: int = 0, rank: int | None = None, *,
+            step: int | None = None) -> Any:
+        """The newest value of a name (``index=1`` the one before, ``step=`` that step's) or
+        the value with an id."""
+        return value_of(self.store.get(name_or_id, index, rank, step))
 
     def get_all(self, name: str, rank: int | None = None) -> list[Any]:
         """Every kept value of ``name``, oldest to newest."""
@@ -269,11 +271,12 @@ class Server:
 
         display.show(reports.summary(self.store, self.info(), max_items))
 
-    def describe(self, name_or_id: str | int, index: int = 0, rank: int | None = None) -> None:
+    def describe(self, name_or_id: str | int, index: int = 0, rank: int | None = None, *,
+                 step: int | None = None) -> None:
         """Show everything known about a capture, with statistics for arrays."""
         from . import display, reports
 
-        display.show(reports.describe(self.store, name_or_id, index, rank))
+        display.show(reports.describe(self.store, name_or_id, index, rank, step))
 
     def status(self, watch: bool = True) -> None:
         """Watch arrivals live (see ``thing.status``)."""

@@ -53,6 +53,7 @@ class Sender:
 class Capture:
     """One received capture and everything known about it.
 
+    ``step`` is the step it was caught at (see :attr:`step`).
     ``consistent`` is False when the sender saw the data change between the
     ``catch()`` call and the end of its send (a torch tensor updated in place
     while it was read in place): the value may be a later one, or a mix of two.
@@ -60,12 +61,13 @@ class Capture:
     """
 
     __slots__ = ("id", "name", "_value", "_received", "leaves", "nbytes", "sender",
-                 "received_at", "caught_at", "call_site", "consistent")
+                 "received_at", "caught_at", "call_site", "consistent", "call", "given_step")
 
     def __init__(self, id: int, name: str | None, value: Any, leaves: tuple[LeafSpec, ...],
                  nbytes: int, sender: Sender, received_at: float | None = None,
                  caught_at: float | None = None, call_site: str | None = None,
-                 consistent: bool = True):
+                 consistent: bool = True, call: int | None = None,
+                 step: int | None = None):
         self.id = id
         self.name = name
         self._value = value
@@ -78,6 +80,8 @@ class Capture:
         self.caught_at = caught_at
         self.call_site = call_site
         self.consistent = consistent
+        self.call = call  # the call number of its name in its sender (None: not counted)
+        self.given_step = step  # catch(..., step=): None when not given
 
     @property
     def value(self) -> Any:
@@ -93,6 +97,12 @@ class Capture:
     @property
     def rank(self) -> int | None:
         return self.sender.rank
+
+    @property
+    def step(self) -> int | None:
+        """The step it was caught at: the one given to ``catch(step=)``, else the call number
+        of its name (1 for the first call, throttled calls counted)."""
+        return self.call if self.given_step is None else self.given_step
 
     def parts(self) -> ReceivedValue:
         """The capture as frames and recordings carry it: its tree, leaf specs and numpy
@@ -411,11 +421,13 @@ class HistoryStore:
 
     # -- querying ----------------------------------------------------------------
 
-    def get(self, key: str | int, index: int = 0, rank: int | None = None) -> Capture:
+    def get(self, key: str | int, index: int = 0, rank: int | None = None,
+            step: int | None = None) -> Capture:
         """The capture with integer id ``key``, or the ``index``-th newest of name ``key``.
 
         ``index=0`` is the newest, ``1`` the one before; negative indices count
-        from the oldest (``-1`` is the oldest kept).
+        from the oldest (``-1`` is the oldest kept). ``step=`` picks the newest
+        capture of that step instead.
         """
         with self._lock:
             if isinstance(key, numbers.Integral) and not isinstance(key, bool):
@@ -424,6 +436,8 @@ class HistoryStore:
                                       "received)")
                 return self._by_id[int(key)]
             history = self._history(key, rank)
+            if step is not None:
+                return _at_step(key, history, step)
             if not -len(history) <= index < len(history):
                 raise IndexError(
                     f"{key!r} has {len(history)} kept versions; index {index} is out of range"
@@ -607,6 +621,21 @@ class HistoryStore:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+def _at_step(name: str, history: list[Capture], step: int) -> Capture:
+    """The newest capture of ``history`` at ``step``; UnknownName saying which steps it has."""
+    for capture in reversed(history):
+        if capture.step == step:
+            return capture
+    steps = sorted({c.step for c in history if c.step is not None})
+    if not steps:
+        raise UnknownName(f"no capture of {name!r} has a step (its sender is older than "
+                          "thing's step numbers)")
+    close = sorted(steps, key=lambda known: abs(known - step))[:3]
+    raise UnknownName(f"no kept capture of {name!r} at step {step}; it has steps "
+                      f"{steps[0]} to {steps[-1]} ({len(steps)} of them), the nearest "
+                      f"{', '.join(map(str, sorted(close)))}")
 
 
 def _arrival(capture: Capture) -> float:

@@ -39,7 +39,7 @@ from .arrays import (
 from .errors import HandshakeError, LimitExceeded, ProtocolError, UnsupportedType
 
 MAGIC = b"THNG"
-VERSION = 3
+VERSION = 4
 
 # magic, protocol version, status (0 = ok) or flags, length of the JSON that follows
 HANDSHAKE = struct.Struct("<4sHHI")
@@ -49,10 +49,12 @@ HANDSHAKE_CHALLENGE = 2  # the server wants proof of the token: {"nonce": ...}
 MAX_HANDSHAKE_JSON = 64 << 10
 
 # b"TF", kind, header length, payload length, the client's sequence number, the time of
-# the call; then header, payload, trailer. What changes with every call travels here, so
-# the header of one name and layout repeats byte for byte and is validated once.
-FRAME_PREFIX = struct.Struct("<2sHIQQd")
+# the call, the call number of the name, the step the caller gave; then header, payload,
+# trailer. What changes with every call travels here, so the header of one name and
+# layout repeats byte for byte and is validated once.
+FRAME_PREFIX = struct.Struct("<2sHIQQdQq")
 FRAME_TAG = b"TF"
+NO_STEP = -(1 << 63)  # a frame's step when its caller gave none
 KIND_CAPTURE = 1
 # The payload is not in the stream but in a sealed memfd passed with the prefix (SCM_RIGHTS).
 KIND_SHARED_MEMORY = 2
@@ -304,9 +306,11 @@ def describe_capture(name: str | None, tree: Any, specs: Iterable[LeafSpec],
 
 
 def encode_prefix(header: bytes, payload_len: int, seq: int, caught_at: float,
-                  kind: int = KIND_CAPTURE) -> bytes:
-    """The fixed-size part that opens a capture frame."""
-    return FRAME_PREFIX.pack(FRAME_TAG, kind, len(header), payload_len, seq, caught_at)
+                  kind: int = KIND_CAPTURE, *, call: int = 0, step: int | None = None) -> bytes:
+    """The fixed-size part that opens a capture frame: ``call`` is the call number of its
+    name (0: not counted), ``step`` the step the caller gave (None: none)."""
+    return FRAME_PREFIX.pack(FRAME_TAG, kind, len(header), payload_len, seq, caught_at, call,
+                             NO_STEP if step is None else step)
 
 
 def encode_trailer(modified_during_send: bool) -> bytes:
@@ -339,6 +343,8 @@ class FramePrefix(NamedTuple):
     payload_len: int
     seq: int
     caught_at: float | None  # None if the sender's clock gave no finite time
+    call: int | None  # the call number of the capture's name; None if not counted
+    step: int | None  # the step its caller gave; None if none
 
 
 def decode_prefix(prefix: bytes) -> FramePrefix:
@@ -347,12 +353,13 @@ def decode_prefix(prefix: bytes) -> FramePrefix:
     The lengths are checked against the limits separately, by :func:`check_frame_size`:
     a frame that is merely too large can be read past, one with a bad prefix cannot.
     """
-    tag, kind, header_len, payload_len, seq, caught_at = _unpack(
+    tag, kind, header_len, payload_len, seq, caught_at, call, step = _unpack(
         FRAME_PREFIX, prefix, "frame prefix")
     if tag != FRAME_TAG or kind not in (KIND_CAPTURE, KIND_SHARED_MEMORY):
         raise ProtocolError(f"bad frame prefix {bytes(prefix)!r}")
     return FramePrefix(kind, header_len, payload_len, seq,
-                       caught_at if -MAX_TIME < caught_at < MAX_TIME else None)
+                       caught_at if -MAX_TIME < caught_at < MAX_TIME else None,
+                       call or None, None if step == NO_STEP else step)
 
 
 def check_frame_size(header_len: int, payload_len: int, limits: Limits) -> None:
