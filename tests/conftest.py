@@ -52,6 +52,8 @@ def server() -> Iterator[thing.Server]:
 def script_env(port: int | None = None, **extra: str) -> dict[str, str]:
     """The environment for a subprocess that imports this checkout's thing."""
     env = dict(os.environ)
+    # Each script is a job of its own, as from a shell: not of the run pytest named.
+    env.pop("THING_RUN_ID", None)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if port is not None:
         env["THING_PORT"] = str(port)

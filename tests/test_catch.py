@@ -219,7 +219,9 @@ def test_ranks_from_environment(server: thing.Server) -> None:
         assert thing.catch(rank * 10, name="loss").wait(10)
         assert thing.catch(rank * 10 + 1, name="loss").wait(10)
     """
-    procs = [start_script(code, server.port, RANK=str(r), WORLD_SIZE="3") for r in range(3)]
+    # As torchrun starts them: RANK, WORLD_SIZE and the run id of the launch.
+    procs = [start_script(code, server.port, RANK=str(r), WORLD_SIZE="3",
+                          TORCHELASTIC_RUN_ID="launch-1") for r in range(3)]
     for proc in procs:
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err

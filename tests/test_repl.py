@@ -565,7 +565,7 @@ def test_help_lists_every_public_function_and_class(capsys, monkeypatch) -> None
                      "describe", "wait", "clear", "help"):
         line = next(line for line in out.splitlines() if line.startswith(f"thing.{function}("))
         assert line.rstrip().endswith(")"), line
-    assert "thing.get(name_or_id, index=0, rank=None, *, step=None)" in out
+    assert "thing.get(name_or_id, index=0, rank=None, *, step=None, run=None)" in out
     assert "The newest capture of a name" in out
     assert out.index("thing.catch(") < out.index("thing.serve(") < out.index("thing.Server(")
 

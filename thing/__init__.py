@@ -20,6 +20,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+from . import run_names
 from ._core import BACKEND
 from .client import CaptureHandle, Client
 from .errors import (
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
         get_all,
         ingest_all,
         load,
+        runs,
         save,
         serve,
         status,
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
 # the server, the store or the REPL (nor what they import), so `import thing` stays cheap.
 _ON_FIRST_USE = {
     **dict.fromkeys(("serve", "get", "get_all", "wait", "clear", "ingest_all", "summary",
-                     "describe", "status", "help", "save", "load"), "repl"),
+                     "describe", "status", "help", "save", "load", "runs"), "repl"),
     "Server": "server",
     "Capture": "store",
     "HistoryStore": "store",
@@ -79,6 +81,8 @@ __version__ = "0.1.0"
 
 # A library stays quiet unless the application configured logging.
 logging.getLogger("thing").addHandler(logging.NullHandler())
+# Name this job's run now: processes it spawns or forks before its first catch join it.
+run_names.name_this_job()
 
 __all__ = [
     "BACKEND",
@@ -102,6 +106,7 @@ __all__ = [
     "get_all",
     "ingest_all",
     "load",
+    "runs",
     "save",
     "serve",
     "status",

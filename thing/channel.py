@@ -723,10 +723,12 @@ def _meta(pending: Pending, undelivered: Undelivered) -> dict[str, Any]:
 
 def _identity() -> dict[str, Any]:
     from . import __version__
+    from .run_names import current_run
 
     return {
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
+        "run": current_run(),
         "thing": __version__,
         "python": sys.version.split()[0],
     }

@@ -29,6 +29,9 @@ FIRST_COMMANDS = (
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``thing`` command on ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    from .run_names import forget_this_job
+
+    forget_this_job()  # jobs started from here (the demo's) are runs of their own
     parser = argparse.ArgumentParser(
         prog="thing",
         description="Catch tensors in one program and look at them in a live Python session.",

@@ -16,6 +16,7 @@ told that a capture the server kept was lost.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -37,6 +38,7 @@ from .arrays import CARRIER_DTYPES, LeafSpec
 from .buffers import ReceiveBuffers
 from .channel import NOT_DELIVERED_REASONS, SMALL_BYTES
 from .errors import HandshakeError, LimitExceeded, ProtocolError
+from .run_names import MAX_RUN_NAME
 from .sockets import set_timeouts
 from .store import Capture, HistoryStore, Sender, UnsentNotice
 from .stream import StreamReader
@@ -186,6 +188,7 @@ class Connection:
             address=self.address,
             hostname=wire.printable(str(info.get("hostname", "?"))[:255]),
             pid=_int_or(info.get("pid"), 0),
+            run=_str_or(info.get("run"), MAX_RUN_NAME),
         )
         return self.sender
 
@@ -669,13 +672,8 @@ def _sender_of(meta: dict[str, Any], connection: Sender) -> Sender:
     rank, world_size = meta.get("rank"), meta.get("world_size")
     if rank is None and world_size is None:
         return connection
-    return Sender(
-        connection.address,
-        connection.hostname,
-        connection.pid,
-        _int_or(rank, None),
-        _int_or(world_size, None),
-    )
+    return dataclasses.replace(connection, rank=_int_or(rank, None),
+                               world_size=_int_or(world_size, None))
 
 
 def _notice_of(header: wire.FrameHeader, sender: Sender) -> UnsentNotice:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from .errors import NotServing, ThingError, UnknownName
 from .server import Server
-from .store import HistoryStore, value_of
+from .store import HistoryStore, Run, value_of
 
 log = logging.getLogger("thing")
 
@@ -133,24 +133,43 @@ def load(path: str | os.PathLike[str]) -> int:
 
 @_short_traceback
 def get(name_or_id: str | int, index: int = 0, rank: int | None = None, *,
-        step: int | None = None) -> Any:
+        step: int | None = None, run: str | None = None) -> Any:
     """The newest capture of a name (``index=1``: the one before), or the capture with that id.
 
     ``step=s`` returns the capture of step ``s``: the step given to
     ``catch(step=)``, else the call number of the name (1 for its first
-    call, throttled calls counted). Arrays come back as received, without a
+    call, throttled calls counted). Only the captures of one run (training
+    job) count: ``run=`` (an id from :func:`runs`), by default the run that
+    sent the newest capture of the name; ``run="all"``: every run. Arrays
+    come back as received, without a
     copy; containers as the same nested list/tuple/dict. ``rank=`` picks
     that distributed rank's captures. A name's identifier also works (``"model_lm_head_weight"`` for
     ``"model.lm_head.weight"``) when no other name has it. An unknown name
     raises ``KeyError`` listing the closest known names.
     """
-    return value_of(_store().get(name_or_id, index, rank, step))
+    return value_of(_store().get(name_or_id, index, rank, step, run))
 
 
 @_short_traceback
-def get_all(name: str, rank: int | None = None) -> list[Any]:
-    """Every kept capture of ``name``, oldest to newest (``rank=``: only that rank's)."""
-    return [value_of(capture) for capture in _store().get_all(name, rank)]
+def get_all(name: str, rank: int | None = None, *, run: str | None = None) -> list[Any]:
+    """Every kept capture of ``name``, oldest to newest (``rank=``: only that rank's).
+
+    Of one run: by default the run (training job) that sent the newest capture
+    of the name, so a restarted job starts a new history; ``run="all"`` joins
+    every run's, ``run=id`` picks one (see :func:`runs`).
+    """
+    return [value_of(capture) for capture in _store().get_all(name, rank, run)]
+
+
+@_short_traceback
+def runs() -> list[Run]:
+    """The runs that sent the kept captures, oldest first: id, start, end, captures, ranks.
+
+    A run is a training job: every process that catches names its run once
+    (``THING_RUN=name`` names it yourself; torchrun's ranks share
+    ``TORCHELASTIC_RUN_ID``), and the processes it forks or spawns join it.
+    """
+    return _store().runs()
 
 
 @_short_traceback

@@ -28,18 +28,20 @@ if TYPE_CHECKING:
 
 # Names shown first by help(), in the order a newcomer needs them.
 _HELP_ORDER = ("catch", "serve", "get", "get_all", "wait", "ingest_all", "summary", "describe",
-               "status", "clear", "save", "load", "help")
+               "status", "runs", "clear", "save", "load", "help")
 
 # What gives way, in order, when the summary is wider than the terminal: the name last.
 _SUMMARY_GIVES_WAY = [("shrink", "value"), ("shrink", "sender"), ("drop", "sender"),
-                      ("drop", "from"), ("drop", "arrived"), ("shrink", "name")]
+                      ("drop", "from"), ("shrink", "run"), ("drop", "arrived"),
+                      ("shrink", "name")]
 
 
 # -- summary ---------------------------------------------------------------------------
 
 
 def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None = 5) -> Report:
-    """A row per name (per name and rank when several ranks send it), newest first.
+    """A row per name (per name, run and rank when several runs or ranks send it), newest
+    first.
 
     ``max_items`` names are shown (``None``: all). A row shows the newest
     capture: shape, dtype, framework, the value itself for a scalar, how many
@@ -50,16 +52,20 @@ def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None 
     overview = store.overview(max_items)
     now = time.time()
     ranked = any(capture.rank is not None for capture, _ in overview.names)
+    several_runs = len({capture.sender.run for capture, _ in overview.names}) > 1
     rows = []
     for capture, versions in overview.names:
         shape, dtype, framework, value = row_kind(capture)
-        rows.append([capture.name + flag(capture), rank_text(capture), shape, dtype, framework,
-                     value, str(versions), ago(capture.received_at, now), sender_text(capture)])
-    columns = [Column("name", 16, "middle"), Column("rank"), Column("shape"), Column("dtype"),
-               Column("from"), Column("value", 8), Column("kept"), Column("arrived"),
-               Column("sender", 10, "middle")]
-    unused = {"rank"} if not ranked else set()
-    if not any(row[5] for row in rows):
+        rows.append([capture.name + flag(capture), capture.sender.run or "?", rank_text(capture),
+                     shape, dtype, framework, value, str(versions),
+                     ago(capture.received_at, now), sender_text(capture)])
+    columns = [Column("name", 16, "middle"), Column("run", 8, "middle"), Column("rank"),
+               Column("shape"), Column("dtype"), Column("from"), Column("value", 8),
+               Column("kept"), Column("arrived"), Column("sender", 10, "middle")]
+    unused = set() if several_runs else {"run"}
+    if not ranked:
+        unused.add("rank")
+    if not any(row[6] for row in rows):
         unused.add("value")
     keep = [i for i, column in enumerate(columns) if column.header not in unused]
     columns = [columns[i] for i in keep]

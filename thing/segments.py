@@ -29,7 +29,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from . import wire
 from .arrays import CARRIER_DTYPES, LeafSpec
 from .errors import BadRecording, ProtocolError
 from .receiver import KnownHeader
+from .run_names import MAX_RUN_NAME
 from .store import Capture, Sender
 
 log = logging.getLogger("thing")
@@ -158,7 +159,7 @@ def _record_of(capture: Capture, parts: wire.ReceivedValue) -> str:
         meta["rank"], meta["world_size"] = sender.rank, sender.world_size
     return json.dumps({
         "header": wire.describe_capture(capture.name, parts.tree, parts.specs, meta).decode(),
-        "sender": [sender.address, sender.hostname, sender.pid],
+        "sender": [sender.address, sender.hostname, sender.pid, sender.run],
         "received_at": capture.received_at,
         "caught_at": capture.caught_at,
         "consistent": capture.consistent,
@@ -219,7 +220,7 @@ def _errno_in(message: str) -> int:
 
 # Validated capture headers a load keeps, by (header, sender): a recording of a training
 # loop repeats a few headers thousands of times, like a connection (see receiver.py).
-KnownHeaders = dict[tuple[str, str, str, int], KnownHeader]
+KnownHeaders = dict[tuple[str, str, str, int, Optional[str]], KnownHeader]
 MAX_KNOWN_HEADERS = 4096
 
 
@@ -372,8 +373,9 @@ def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: mmap.
     received_at, caught_at = record["received_at"], record["caught_at"]
     if not isinstance(raw_header, str):
         raise BadRecording(f"{where}: its header is not a string")
-    if not (isinstance(sender, list) and len(sender) == 3 and isinstance(sender[0], str)
-            and isinstance(sender[1], str) and wire.is_int(sender[2])):
+    if not (isinstance(sender, list) and len(sender) == 4 and isinstance(sender[0], str)
+            and isinstance(sender[1], str) and wire.is_int(sender[2])
+            and (sender[3] is None or isinstance(sender[3], str))):
         raise BadRecording(f"{where}: its sender is malformed")
     call, step = record["call"], record["step"]
     if not (_is_time(received_at) and (caught_at is None or _is_time(caught_at))
@@ -390,13 +392,14 @@ def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: mmap.
     payload_len = sum(tensors[key].end - tensors[key].begin for key in keys)
     address, hostname, pid = (wire.printable(sender[0][:300]), wire.printable(sender[1][:300]),
                               sender[2])
-    key = (raw_header, address, hostname, pid)
+    run = None if sender[3] is None else wire.printable(sender[3][:MAX_RUN_NAME])
+    key = (raw_header, address, hostname, pid, run)
     known = known_headers.get(key)
     if known is None:
         raw = raw_header.encode("utf-8", "surrogatepass")
         wire.header_cost(raw, limits)
         known = KnownHeader.of(wire.decode_header(raw, payload_len, limits),
-                               Sender(address, hostname, pid))
+                               Sender(address, hostname, pid, run=run))
         if known.notice:
             raise BadRecording(f"{where}: a notice of an unsent capture, not a capture")
         if len(known_headers) >= MAX_KNOWN_HEADERS:

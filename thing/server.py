@@ -32,7 +32,7 @@ from .sockets import (
     tune_stream,
     unix_socket_path,
 )
-from .store import Capture, HistoryStore, Sender, value_of
+from .store import Capture, HistoryStore, Run, Sender, value_of
 
 if TYPE_CHECKING:
     from .recorder import Recorder
@@ -223,14 +223,19 @@ class Server:
     # -- queries: the REPL functions, for this server's store ------------------------
 
     def get(self, name_or_id: str | int, index: int = 0, rank: int | None = None, *,
-            step: int | None = None) -> Any:
+            step: int | None = None, run: str | None = None) -> Any:
         """The newest value of a name (``index=1`` the one before, ``step=`` that step's) or
-        the value with an id."""
-        return value_of(self.store.get(name_or_id, index, rank, step))
+        the value with an id (see ``thing.get``)."""
+        return value_of(self.store.get(name_or_id, index, rank, step, run))
 
-    def get_all(self, name: str, rank: int | None = None) -> list[Any]:
-        """Every kept value of ``name``, oldest to newest."""
-        return [value_of(capture) for capture in self.store.get_all(name, rank)]
+    def get_all(self, name: str, rank: int | None = None, *, run: str | None = None
+                ) -> list[Any]:
+        """Every kept value of ``name`` from one run, oldest to newest (see ``thing.get_all``)."""
+        return [value_of(capture) for capture in self.store.get_all(name, rank, run)]
+
+    def runs(self) -> list[Run]:
+        """The runs (training jobs) that sent the kept captures (see ``thing.runs``)."""
+        return self.store.runs()
 
     def capture(self, name_or_id: str | int, index: int = 0, rank: int | None = None) -> Capture:
         """The :class:`Capture` record (value plus everything known about it)."""

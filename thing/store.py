@@ -48,6 +48,7 @@ class Sender:
     pid: int = 0
     rank: int | None = None
     world_size: int | None = None
+    run: str | None = None  # the training job it belongs to (see thing/runs.py)
 
 
 class Capture:
@@ -139,6 +140,22 @@ def value_of(capture: Capture) -> Any:
     return capture.value
 
 
+ALL_RUNS = "all"
+
+
+@dataclass(frozen=True)
+class Run:
+    """A training job that sent captures: its id, when its kept captures arrived, how many,
+    from which ranks, of which names (in order of first arrival)."""
+
+    id: str | None  # None: from a sender older than runs
+    start: float
+    end: float
+    captures: int
+    ranks: tuple[int, ...]
+    names: tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class UnsentNotice:
     """A sender's word that it could not send a capture of ``name``, and why (no data).
@@ -163,7 +180,7 @@ class StoreOverview:
     kept, most recently updated name first.
     """
 
-    names: list[tuple[Capture, int]]  # one per (name, rank) when several ranks send a name
+    names: list[tuple[Capture, int]]  # one per (name, run, rank) when several send a name
     name_count: int  # names with a kept capture, shown or not
     captures: int  # kept now, named and unnamed
     unnamed: int
@@ -422,12 +439,13 @@ class HistoryStore:
     # -- querying ----------------------------------------------------------------
 
     def get(self, key: str | int, index: int = 0, rank: int | None = None,
-            step: int | None = None) -> Capture:
+            step: int | None = None, run: str | None = None) -> Capture:
         """The capture with integer id ``key``, or the ``index``-th newest of name ``key``.
 
         ``index=0`` is the newest, ``1`` the one before; negative indices count
         from the oldest (``-1`` is the oldest kept). ``step=`` picks the newest
-        capture of that step instead.
+        capture of that step instead. Only captures of ``run`` count (default:
+        the run that sent the newest capture of the name; ``"all"``: any).
         """
         with self._lock:
             if isinstance(key, numbers.Integral) and not isinstance(key, bool):
@@ -435,7 +453,7 @@ class HistoryStore:
                     raise UnknownName(f"no capture with id {key} (evicted, cleared or never "
                                       "received)")
                 return self._by_id[int(key)]
-            history = self._history(key, rank)
+            history = self._history(key, rank, run)
             if step is not None:
                 return _at_step(key, history, step)
             if not -len(history) <= index < len(history):
@@ -444,14 +462,37 @@ class HistoryStore:
                 )
             return history[-1 - index] if index >= 0 else history[-index - 1]
 
-    def get_all(self, name: str, rank: int | None = None) -> list[Capture]:
-        """Every kept capture of ``name``, oldest to newest."""
+    def get_all(self, name: str, rank: int | None = None, run: str | None = None
+                ) -> list[Capture]:
+        """Every kept capture of ``name`` from ``run`` (default: the run that sent the newest;
+        ``"all"``: every run), oldest to newest."""
         with self._lock:
-            return self._history(name, rank)
+            return self._history(name, rank, run)
 
-    def _history(self, name: str, rank: int | None) -> list[Capture]:
+    def runs(self) -> list[Run]:
+        """The runs (training jobs) with a kept capture, the one that started first first."""
+        found: dict[str | None, list[Capture]] = {}
+        with self._lock:
+            for capture in self._by_id.values():
+                found.setdefault(capture.sender.run, []).append(capture)
+        runs = [Run(run, min(c.received_at for c in captures),
+                    max(c.received_at for c in captures), len(captures),
+                    tuple(sorted({c.rank for c in captures if c.rank is not None})),
+                    tuple(dict.fromkeys(c.name for c in captures if c.name is not None)))
+                for run, captures in found.items()]
+        return sorted(runs, key=lambda run: run.start)
+
+    def _history(self, name: str, rank: int | None, run: str | None = None) -> list[Capture]:
         name = self._resolve(name)
         history = list(self._by_name[name])
+        if run != ALL_RUNS:
+            # By default, the run that sent the newest: a restarted job is a new history.
+            wanted = history[-1].sender.run if run is None else run
+            history = [capture for capture in history if capture.sender.run == wanted]
+            if not history:
+                runs = dict.fromkeys(c.sender.run for c in self._by_name[name])
+                raise UnknownName(f"no capture named {name!r} from run {run!r}; it came from "
+                                  f"run(s) {', '.join(map(repr, runs))} (run='all': every one)")
         if rank is not None:
             history = [capture for capture in history if capture.rank == rank]
             if not history:
@@ -643,14 +684,17 @@ def _arrival(capture: Capture) -> float:
 
 
 def _newest_per_rank(history: deque[Capture]) -> list[tuple[Capture, int]]:
-    """``(newest capture, versions kept)`` of each rank that sent a name, by rank."""
-    newest: dict[int | None, Capture] = {}
-    counts: dict[int | None, int] = {}
+    """``(newest capture, versions kept)`` of each run and rank that sent a name: the newest
+    run first, its ranks in order."""
+    newest: dict[tuple[str | None, int | None], Capture] = {}
+    counts: dict[tuple[str | None, int | None], int] = {}
     for capture in reversed(history):
-        newest.setdefault(capture.rank, capture)
-        counts[capture.rank] = counts.get(capture.rank, 0) + 1
-    ranks = sorted(newest, key=lambda rank: (rank is None, rank or 0))
-    return [(newest[rank], counts[rank]) for rank in ranks]
+        key = (capture.sender.run, capture.rank)
+        newest.setdefault(key, capture)
+        counts[key] = counts.get(key, 0) + 1
+    runs = list(dict.fromkeys(run for run, _ in newest))  # newest first
+    keys = sorted(newest, key=lambda key: (runs.index(key[0]), key[1] is None, key[1] or 0))
+    return [(newest[key], counts[key]) for key in keys]
 
 
 def _header_bytes(value: Any) -> int:

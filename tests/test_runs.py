@@ -1,0 +1,95 @@
+"""Runs: each training job's captures are a history of their own.
+
+Jobs are real processes: started one after another, as torchrun ranks, as
+``multiprocessing`` spawn children, and from an interactive parent. The REPL
+functions pick the newest run by default, any run by id, or all of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import thing
+from thing.errors import UnknownName
+
+from .conftest import run_script
+
+JOB = """
+    import os, thing
+    for step in range(3):
+        assert thing.catch(float(os.environ.get("BASE", "0")) + step, name="loss").wait(10)
+"""
+
+
+def test_separate_jobs_and_a_torchrun_launch_are_three_runs(server: thing.Server) -> None:
+    run_script(JOB, server.port, BASE="0")
+    run_script(JOB, server.port, BASE="10")
+    for rank in (0, 1):  # launched together, as torchrun does
+        run_script(JOB, server.port, BASE=str(100 + 10 * rank), RANK=str(rank),
+                   WORLD_SIZE="2", TORCHELASTIC_RUN_ID="launch-7")
+    runs = server.runs()
+    assert len(runs) == 3 and runs[-1].id == "launch-7"
+    assert [(run.captures, run.ranks) for run in runs] == [(3, ()), (3, ()), (6, (0, 1))]
+    assert all(run.start <= run.end for run in runs) and runs[0].end <= runs[1].start
+    assert runs[0].names == ("loss",)
+    # By default the newest run: a restarted job is a new history, not a continuation.
+    assert sorted(server.get_all("loss")) == [100.0, 101.0, 102.0, 110.0, 111.0, 112.0]
+    assert server.get_all("loss", rank=1) == [110.0, 111.0, 112.0]
+    assert server.get_all("loss", run=runs[0].id) == [0.0, 1.0, 2.0]
+    assert server.get("loss", run=runs[1].id) == 12.0
+    assert len(server.get_all("loss", run="all")) == 12
+    with pytest.raises(UnknownName, match="from run 'nope'.*run='all'"):
+        server.get_all("loss", run="nope")
+
+
+def test_summary_groups_rows_by_run(server: thing.Server,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    run_script(JOB, server.port, THING_RUN="first")
+    run_script(JOB, server.port, THING_RUN="second")
+    server.summary()
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("name"))
+    assert header.split()[:2] == ["name", "run"]
+    rows = [line.split() for line in out.splitlines() if line.startswith("loss")]
+    assert [row[1] for row in rows] == ["second", "first"]  # the newest run first
+    server.clear()  # one run only: no run column
+    run_script(JOB, server.port, THING_RUN="only")
+    server.summary()
+    header = next(line for line in capsys.readouterr().out.splitlines()
+                  if line.startswith("name"))
+    assert "run" not in header.split()
+
+
+def test_spawned_children_join_the_run_of_the_script_that_started_them(
+        server: thing.Server, tmp_path) -> None:
+    script = tmp_path / "spawner.py"
+    script.write_text("""
+import multiprocessing as mp, thing
+
+def work(rank):
+    assert thing.catch(float(rank), name="rank value").wait(10)
+
+if __name__ == "__main__":
+    children = [mp.get_context("spawn").Process(target=work, args=(r,)) for r in range(2)]
+    for child in children: child.start()
+    for child in children: child.join(60); assert child.exitcode == 0
+""")
+    run_script(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')",
+               server.port, timeout=120)
+    (run,) = server.runs()
+    assert run.captures == 2
+    assert sorted(server.get_all("rank value")) == [0.0, 1.0]
+
+
+def test_jobs_started_from_a_notebook_or_repl_are_runs_of_their_own(
+        server: thing.Server) -> None:
+    run_script(f"""
+        import subprocess, sys, textwrap
+        sys.ps1 = ">>> "  # as in an interactive session
+        import thing
+        for base in ("0", "10"):
+            subprocess.run([sys.executable, "-c", textwrap.dedent({JOB!r})], check=True,
+                           env=dict(__import__("os").environ, BASE=base))
+    """, server.port)
+    assert len(server.runs()) == 2
+    assert server.get_all("loss") == [10.0, 11.0, 12.0]

@@ -1,0 +1,66 @@
+"""Which training job a process belongs to: its run, named once per job and inherited.
+
+A run is named by, in order: ``THING_RUN`` (the user's name for it), torchrun's
+``TORCHELASTIC_RUN_ID`` (shared by the ranks of one launch), or
+``THING_RUN_ID``, which a job sets in its environment when it names a new run:
+at ``import thing`` in a script, so that the processes it spawns (``mp.spawn``
+ranks, spawned DataLoader workers, ``subprocess``) join its run. A forked
+child (a DataLoader worker) shares its parent's run in any case.
+
+A REPL or notebook names a run only when it first catches, and never in its
+environment, and neither do thing's own commands (``thing serve``, ``record``,
+``demo``): jobs started from them are runs of their own. So two jobs started
+separately, from one shell or one notebook, are two runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Optional
+
+INHERITED = "THING_RUN_ID"
+MAX_RUN_NAME = 200
+
+_run: Optional[str] = None
+_exported = False  # whether this process put _run in its environment
+
+
+def current_run() -> str:
+    """This process's run: the one it was given, or a new one."""
+    global _run
+    if _run is None:
+        _run = _named_run() or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
+    return _run
+
+
+def name_this_job() -> None:
+    """At ``import thing``: a script names its run now, for the processes it will spawn."""
+    global _exported
+    if _interactive() or _named_run() is not None:
+        return
+    os.environ[INHERITED] = current_run()
+    _exported = True
+
+
+def forget_this_job() -> None:
+    """A thing command is no job: what it starts names runs of its own."""
+    global _run, _exported
+    if _exported and os.environ.get(INHERITED) == _run:
+        del os.environ[INHERITED]
+    _run, _exported = None, False
+
+
+def _interactive() -> bool:
+    return (hasattr(sys, "ps1") or bool(sys.flags.interactive)
+            or "IPython" in sys.modules or "ipykernel" in sys.modules)
+
+
+def _named_run() -> Optional[str]:
+    torchrun = os.environ.get("TORCHELASTIC_RUN_ID")
+    for name in (os.environ.get("THING_RUN"), None if torchrun == "none" else torchrun,
+                 os.environ.get(INHERITED)):
+        if name:
+            return name[:MAX_RUN_NAME]
+    return None
