@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         runs,
         save,
         serve,
+        stats,
         status,
         summary,
         wait,
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
 # the server, the store or the REPL (nor what they import), so `import thing` stays cheap.
 _ON_FIRST_USE = {
     **dict.fromkeys(("serve", "get", "get_all", "wait", "clear", "ingest_all", "summary",
-                     "describe", "status", "help", "save", "load", "runs"), "repl"),
+                     "describe", "status", "help", "save", "load", "runs", "stats"), "repl"),
     "Server": "server",
     "Capture": "store",
     "HistoryStore": "store",
@@ -109,6 +110,7 @@ __all__ = [
     "runs",
     "save",
     "serve",
+    "stats",
     "status",
     "summary",
     "wait",

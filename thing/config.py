@@ -179,6 +179,12 @@ def store_max_bytes() -> int:
     return _env_int("THING_STORE_BYTES", _physical_memory() // 2)
 
 
+def stats_share() -> float:
+    """The share of one core the server may spend working out each arriving capture's
+    statistics in the background (``THING_STATS_SHARE``, 0.25; 0: only when asked for)."""
+    return min(max(_env_float("THING_STATS_SHARE", 0.25), 0.0), 1.0)
+
+
 def store_max_versions() -> int | None:
     """Versions kept per name, or unlimited (``THING_MAX_VERSIONS``, unlimited)."""
     value = _env_int("THING_MAX_VERSIONS", 0)

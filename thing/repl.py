@@ -162,6 +162,23 @@ def get_all(name: str, rank: int | None = None, *, run: str | None = None) -> li
 
 
 @_short_traceback
+def stats(name: str, rank: int | None = None, run: str | None = None, *,
+          spectral: bool = False) -> Any:
+    """A row of statistics per kept capture of ``name``, oldest first.
+
+    Columns: step, arrived, shape, min, max, mean, std, norm (L2), nan, inf
+    (over the finite values; magnitudes for complex), and with
+    ``spectral=True`` the top singular value of 2-D arrays. Worked out once
+    per capture, in the background as it arrives (``THING_STATS_SHARE``).
+    ``rank=`` and ``run=`` select as in :func:`get_all`. A pandas DataFrame
+    when pandas is installed, else a table that prints as one (``to_dict()``).
+    """
+    from .history_stats import stats_table
+
+    return stats_table(_store(), name, rank, run, spectral)
+
+
+@_short_traceback
 def runs() -> list[Run]:
     """The runs that sent the kept captures, oldest first: id, start, end, captures, ranks.
 

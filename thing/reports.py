@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 # Names shown first by help(), in the order a newcomer needs them.
 _HELP_ORDER = ("catch", "serve", "get", "get_all", "wait", "ingest_all", "summary", "describe",
-               "status", "runs", "clear", "save", "load", "help")
+               "stats", "status", "runs", "clear", "save", "load", "help")
 
 # What gives way, in order, when the summary is wider than the terminal: the name last.
 _SUMMARY_GIVES_WAY = [("shrink", "value"), ("shrink", "sender"), ("drop", "sender"),

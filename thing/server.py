@@ -35,6 +35,7 @@ from .sockets import (
 from .store import Capture, HistoryStore, Run, Sender, value_of
 
 if TYPE_CHECKING:
+    from .history_stats import StatsWorker
     from .recorder import Recorder
 
 log = logging.getLogger("thing")
@@ -99,6 +100,7 @@ class Server:
         self._warned_at: dict[str, float] = {}
         self.refused = 0  # connections turned away at the cap
         self._recorders: list[Recorder] = []
+        self._stats_worker: StatsWorker | None = None  # while running
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -121,6 +123,9 @@ class Server:
                 "elsewhere run:  export THING_TOKEN=%s", self.host, where, self.token,
             )
         self._closing.clear()
+        from .history_stats import StatsWorker
+
+        self._stats_worker = StatsWorker(self.store, config.stats_share()).start()
         self._spawn(self._accept_loop, "thing-accept", self._listener)
         self._spawn(self._enforce_deadlines, "thing-deadlines")
         self._listen_on_this_host()
@@ -173,6 +178,9 @@ class Server:
             self._generated_token = False
         self._threads.clear()
         self._close_recorders()  # after the last capture is stored
+        if self._stats_worker is not None:
+            self._stats_worker.close()
+            self._stats_worker = None
 
     def _close_recorders(self) -> None:
         for recorder in self._recorders:
@@ -236,6 +244,13 @@ class Server:
     def runs(self) -> list[Run]:
         """The runs (training jobs) that sent the kept captures (see ``thing.runs``)."""
         return self.store.runs()
+
+    def stats(self, name: str, rank: int | None = None, run: str | None = None, *,
+              spectral: bool = False) -> Any:
+        """A row of statistics per capture of ``name`` (see ``thing.stats``)."""
+        from .history_stats import stats_table
+
+        return stats_table(self.store, name, rank, run, spectral)
 
     def capture(self, name_or_id: str | int, index: int = 0, rank: int | None = None) -> Capture:
         """The :class:`Capture` record (value plus everything known about it)."""

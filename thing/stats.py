@@ -144,6 +144,21 @@ def _is_integer(flat: Any) -> bool:
     return flat.dtype.kind in "iub"
 
 
+def _e4m3fn_values() -> np.ndarray:
+    """What each of the 256 float8_e4m3fn bit patterns means: 4 exponent bits (bias 7), 3
+    mantissa bits, subnormals, no infinities, NaN at all ones."""
+    bits = np.arange(256)
+    sign = np.where(bits & 0x80, -1.0, 1.0)
+    exponent, mantissa = (bits >> 3) & 0xF, bits & 0x7
+    values = sign * np.where(exponent == 0, mantissa / 8 * 2.0**-6,
+                             (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    values[(bits & 0x7F) == 0x7F] = np.nan
+    return values
+
+
+_E4M3FN_VALUES = _e4m3fn_values()
+
+
 def _float_converter(flat: Any, spec: LeafSpec | None) -> Any:
     """A function from a raw numpy chunk to float64 values; None when the dtype holds no numbers."""
     if hasattr(flat, "is_complex"):  # torch chunks arrive as numpy float32 (or native dtypes)
@@ -153,8 +168,11 @@ def _float_converter(flat: Any, spec: LeafSpec | None) -> Any:
     if spec is not None and spec.dtype == "bfloat16" and flat.dtype == np.uint16:
         # bfloat16 kept as its raw bits: they are the upper half of a float32.
         return lambda raw: (raw.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    if spec is not None and spec.dtype.startswith("float8") and flat.dtype == np.uint8:
-        return None  # raw float8 bits, no library here to read them
+    if spec is not None and spec.dtype == "float8_e5m2" and flat.dtype == np.uint8:
+        # The upper half of a float16, bit for bit.
+        return lambda raw: (raw.astype(np.uint16) << 8).view(np.float16).astype(np.float64)
+    if spec is not None and spec.dtype == "float8_e4m3fn" and flat.dtype == np.uint8:
+        return lambda raw: _E4M3FN_VALUES[raw]
     kind = flat.dtype.kind
     if kind == "c":
         return lambda raw: np.abs(raw).astype(np.float64)

@@ -62,7 +62,8 @@ class Capture:
     """
 
     __slots__ = ("id", "name", "_value", "_received", "leaves", "nbytes", "sender",
-                 "received_at", "caught_at", "call_site", "consistent", "call", "given_step")
+                 "received_at", "caught_at", "call_site", "consistent", "call", "given_step",
+                 "stats")
 
     def __init__(self, id: int, name: str | None, value: Any, leaves: tuple[LeafSpec, ...],
                  nbytes: int, sender: Sender, received_at: float | None = None,
@@ -83,6 +84,7 @@ class Capture:
         self.consistent = consistent
         self.call = call  # the call number of its name in its sender (None: not counted)
         self.given_step = step  # catch(..., step=): None when not given
+        self.stats: Any = None  # its statistics, once worked out (thing/history_stats.py)
 
     @property
     def value(self) -> Any:

@@ -1,0 +1,138 @@
+"""thing.stats(): a row of statistics per capture, equal to numpy's, worked out in the background.
+
+A client process sends every dtype (bf16 and fp8 too), NaN and Inf, empty and
+0-d arrays and plain numbers; the server's background worker has the
+statistics of each before anyone asks, and they match numpy's on the values
+as received.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import thing
+from thing.history_stats import COLUMNS, StatsTable, capture_stats, stats_table
+from thing.store import HistoryStore, Sender
+
+from .conftest import poll, run_script
+
+SENDER = """
+    import numpy as np, torch, thing
+    values = {
+        "f32": np.array([[1.5, -2.0, np.nan], [np.inf, 4.0, -np.inf]], np.float32),
+        "f64": np.linspace(-3, 7, 101),
+        "f16": np.array([0.5, 65504.0, -1.0], np.float16),
+        "i64": np.array([2**62, -(2**62), 7], np.int64),
+        "u8": np.arange(256, dtype=np.uint8),
+        "bool": np.array([True, False, True]),
+        "c64": np.array([3 + 4j, 1j], np.complex64),
+        "bf16": torch.linspace(-2, 2, 17).to(torch.bfloat16),
+        "fp8": torch.tensor([0.5, -1.5, 2.0]).to(torch.float8_e4m3fn),
+        "empty": np.zeros((0, 4), np.float32),
+        "zero-d": np.array(-2.25),
+        "all nan": np.full(3, np.nan),
+        "number": 3.25,
+        "matrix": np.arange(12.0).reshape(3, 4) ** 1.5,
+    }
+    for step in range(3):
+        for name, value in values.items():
+            assert thing.catch(value, name=name).wait(30)
+"""
+
+
+def _columns(table) -> dict:
+    """``{column: [values]}`` of a StatsTable or a DataFrame, a missing value as None."""
+    columns = table.to_dict() if isinstance(table, StatsTable) else table.to_dict("list")
+    return {name: [None if isinstance(v, float) and math.isnan(v) else v for v in values]
+            for name, values in columns.items()}
+
+
+def _expected(value) -> tuple:
+    """min, max, mean, std, norm, nan, inf as numpy gives them, over the finite values."""
+    if hasattr(value, "detach"):
+        value = value.detach().float().numpy()
+    x = np.abs(np.asarray(value)) if np.iscomplexobj(value) else np.asarray(value, np.float64)
+    x = x.astype(np.float64).reshape(-1)
+    finite = x[np.isfinite(x)]
+    nan, inf = int(np.isnan(x).sum()), int(np.isinf(x).sum())
+    if not finite.size:
+        return (None,) * 5 + (nan, inf)
+    return (finite.min(), finite.max(), finite.mean(), finite.std(), math.sqrt(np.dot(finite,
+                                                                                     finite)),
+            nan, inf)
+
+
+def test_every_dtype_matches_numpy_and_is_ready_before_asked(server: thing.Server) -> None:
+    run_script(SENDER, server.port, timeout=120)
+    captures = server.store.recent(len(server.store))
+    poll(lambda: all(capture.stats is not None for capture in captures), 30,
+         "the background worker to reach every capture")
+    for name in server.store.names():
+        rows = _columns(server.stats(name))
+        assert rows["step"] == [1, 2, 3]
+        expected = _expected(server.get(name))
+        for column, want in zip(("min", "max", "mean", "std", "norm", "nan", "inf"), expected):
+            got = rows[column][-1]
+            if want is None:
+                assert got is None, (name, column)
+            else:
+                assert got == pytest.approx(want, rel=1e-12, abs=1e-12), (name, column)
+    assert _columns(server.stats("i64"))["max"][0] == 2**62  # integers exactly
+
+
+def test_top_singular_values(server: thing.Server) -> None:
+    run_script(SENDER.replace("for step in range(3)", "for step in range(1)"), server.port,
+               timeout=120)
+    spectral = _columns(server.stats("matrix", spectral=True))["spectral"]
+    assert spectral[0] == pytest.approx(np.linalg.norm(server.get("matrix"), 2), rel=1e-12)
+    assert _columns(server.stats("f64", spectral=True))["spectral"] == [None]  # not 2-D
+    # Large: by power iteration, here on a matrix whose top singular value is known.
+    store = HistoryStore()
+    u, v = np.ones(2048), np.linspace(1, 2, 2049)
+    store.add("big", np.outer(u, v), (), 0, Sender("a:1"))
+    value = _columns(stats_table(store, "big", spectral=True))["spectral"][0]
+    assert value == pytest.approx(np.linalg.norm(u) * np.linalg.norm(v), rel=1e-9)
+
+
+def test_a_plain_table_without_pandas_and_stats_of_a_recording(tmp_path: Path,
+                                                               monkeypatch) -> None:
+    store = HistoryStore()
+    for step in range(4):
+        store.add("loss", 1.0 / (step + 1), (), 0, Sender("a:1"), call=step + 1)
+    store.save(tmp_path / "rec")
+    loaded = HistoryStore()
+    loaded.load(tmp_path / "rec")
+    assert all(capture.stats is None for capture in loaded.get_all("loss"))  # on demand
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    table = stats_table(loaded, "loss")
+    assert isinstance(table, StatsTable) and len(table) == 4
+    assert table.to_dict()["mean"] == [1.0, 0.5, 1 / 3, 0.25]
+    assert list(table.to_dict()) == list(COLUMNS)
+    text = repr(table)
+    assert text.splitlines()[0] == "loss: 4 captures"
+    assert text.splitlines()[1].split() == list(COLUMNS)
+    assert "<table" in table._repr_html_()
+    assert capture_stats(loaded.get("loss")).values.mean == 0.25
+
+
+def test_a_dataframe_with_pandas(server: thing.Server) -> None:
+    pandas = pytest.importorskip("pandas")
+    run_script("import thing; [thing.catch(float(i), name='x').wait(10) for i in range(3)]",
+               server.port)
+    frame = thing.Server.stats(server, "x")
+    assert isinstance(frame, pandas.DataFrame) and list(frame.columns) == list(COLUMNS)
+    assert frame["mean"].tolist() == [0.0, 1.0, 2.0]
+    assert str(frame["arrived"].dtype).startswith("datetime64")
+
+
+def test_with_no_share_nothing_is_worked_out_until_asked(monkeypatch) -> None:
+    monkeypatch.setenv("THING_STATS_SHARE", "0")
+    with thing.Server(port=0) as server:
+        run_script("import thing; thing.catch(2.0, name='y').wait(10)", server.port)
+        assert server.store.get("y").stats is None
+        assert _columns(server.stats("y"))["max"] == [2.0]

@@ -1,0 +1,233 @@
+"""Statistics over a name's history: a row per capture, worked out once, off the receive path.
+
+A :class:`StatsWorker` computes each capture's statistics (``stats.py``) as it
+is stored, on one background thread that takes at most ``share`` of a core: it
+rests in proportion to the time it worked. Receiving threads only hand it a
+capture's id (a bounded queue's append), so it never holds up a receive, and
+it holds no capture alive: one evicted before its turn is skipped. The REPL's
+``thing.stats`` reads what it cached, and works out on its own thread what it
+has not reached yet (and everything, for a recording opened with no server).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from .errors import UnknownName
+from .reports import clock, number, shape_text
+from .stats import ArrayStats, array_stats
+from .store import Capture, HistoryStore
+
+log = logging.getLogger("thing")
+
+COLUMNS = ("step", "arrived", "shape", "min", "max", "mean", "std", "norm", "nan", "inf")
+# Above this many elements the top singular value is found by power iteration.
+EXACT_SPECTRAL_ELEMENTS = 1 << 22
+MAX_WAITING = 10_000  # ids the worker may have queued; beyond, they wait for stats()
+
+
+@dataclass
+class CaptureStats:
+    """What is known about a capture's values: its statistics (None for a capture that
+    has none: a container, text, bytes) and, once asked for, its top singular value."""
+
+    values: Optional[ArrayStats]
+    spectral: Optional[float] = None
+
+
+def capture_stats(capture: Capture) -> CaptureStats:
+    """The statistics of a capture of one array or number, worked out once and kept on it."""
+    known = capture.stats
+    if known is None:
+        known = capture.stats = CaptureStats(_values_of(capture))
+    return known
+
+
+def _values_of(capture: Capture) -> Optional[ArrayStats]:
+    parts = capture.parts()  # numpy only: no framework is imported here
+    if len(parts.specs) == 1 and parts.tree == {"leaf": 0}:
+        if parts.specs[0].framework == "bytes":
+            return None
+        return array_stats(parts.arrays[0], parts.specs[0])
+    tree = parts.tree  # a number travels in the header, as itself or tagged
+    if parts.specs:
+        return None
+    if isinstance(tree, (bool, int, float)):
+        return array_stats(np.array(float(tree) if abs(tree) < 1e308 else math.inf))
+    if isinstance(tree, dict) and set(tree) <= {"nan", "complex"}:
+        return array_stats(np.array(capture.value))
+    return None
+
+
+def top_singular_value(capture: Capture) -> Optional[float]:
+    """The largest singular value of a 2-D array capture (None for anything else); exact up
+    to 2**22 elements, by power iteration above."""
+    known = capture_stats(capture)
+    if known.spectral is None and known.values is not None:
+        parts = capture.parts()
+        if len(parts.specs) == 1 and len(parts.specs[0].shape) == 2 and parts.arrays[0].size:
+            matrix = _as_float64(capture)
+            known.spectral = (float(np.linalg.norm(matrix, 2))
+                              if matrix.size <= EXACT_SPECTRAL_ELEMENTS
+                              else _power_iteration(matrix))
+    return known.spectral
+
+
+def _as_float64(capture: Capture) -> np.ndarray:
+    value = capture.value
+    if hasattr(value, "detach"):  # torch, bf16 included: the REPL's thread may import it
+        value = value.detach().float().cpu().numpy()
+    matrix = np.asarray(value)
+    return np.abs(matrix) if np.iscomplexobj(matrix) else matrix.astype(np.float64)
+
+
+def _power_iteration(matrix: np.ndarray, steps: int = 100) -> float:
+    vector = np.random.default_rng(0).standard_normal(matrix.shape[1])
+    for _ in range(steps):
+        vector = matrix.T @ (matrix @ vector)
+        vector /= np.linalg.norm(vector) or 1.0
+    return float(np.linalg.norm(matrix @ vector))
+
+
+class StatsWorker:
+    """Works out the statistics of every capture ``store`` stores, in the background, using
+    at most ``share`` (0 to 1) of one core."""
+
+    def __init__(self, store: HistoryStore, share: float = 0.25):
+        self.store = store
+        self.share = share
+        self._waiting: deque[int] = deque()
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> StatsWorker:
+        """Start working on what is stored from now on."""
+        if self._thread is None and self.share > 0:
+            self._closing.clear()
+            self._thread = threading.Thread(target=self._run, name="thing-stats", daemon=True)
+            self._thread.start()
+            self.store.listen(self._arrived)
+        return self
+
+    def close(self) -> None:
+        """Stop (what is left is worked out when asked for)."""
+        if self._thread is None:
+            return
+        self.store.unlisten(self._arrived)
+        self._closing.set()
+        self._wake.set()
+        self._thread.join()
+        self._thread = None
+
+    def _arrived(self, capture: Capture) -> None:
+        if len(self._waiting) < MAX_WAITING:
+            self._waiting.append(capture.id)
+            self._wake.set()
+
+    def _run(self) -> None:
+        while not self._closing.is_set():
+            try:
+                capture_id = self._waiting.popleft()
+            except IndexError:
+                self._wake.clear()
+                if not self._waiting:
+                    self._wake.wait()
+                continue
+            try:
+                capture = self.store.get(capture_id)
+            except UnknownName:  # evicted or cleared before its turn
+                continue
+            started = time.perf_counter()
+            try:
+                capture_stats(capture)
+            except Exception:  # a value it cannot read must not end the worker
+                log.debug("no statistics for capture %d", capture_id, exc_info=True)
+            # Rest so that working takes at most `share` of the time.
+            self._closing.wait((time.perf_counter() - started) * (1 / self.share - 1))
+
+
+class StatsTable:
+    """A row per capture (see :data:`COLUMNS`), printed as a table; :meth:`to_dict` gives
+    the columns as lists (``arrived`` in seconds since the epoch)."""
+
+    def __init__(self, title: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]]):
+        self.title = title
+        self.columns = columns
+        self.rows = rows
+
+    def to_dict(self) -> dict[str, list[Any]]:
+        """``{column: [value per capture]}``, ready for ``pandas.DataFrame``."""
+        return {column: [row[i] for row in self.rows] for i, column in enumerate(self.columns)}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _report(self) -> Any:
+        from .display import Column, Report, Table
+
+        def cell(column: str, value: Any) -> str:
+            if value is None:
+                return "-"
+            if column == "arrived":
+                return clock(value)[11:]
+            if column == "shape":
+                return shape_text(value)
+            return number(value) if isinstance(value, float) else str(value)
+
+        rows = [[cell(column, value) for column, value in zip(self.columns, row)]
+                for row in self.rows]
+        return Report(Table(self.title, [Column(column) for column in self.columns], rows))
+
+    def __repr__(self) -> str:
+        return repr(self._report())
+
+    def _repr_html_(self) -> str:
+        return self._report()._repr_html_()
+
+
+def stats_table(store: HistoryStore, name: str, rank: Optional[int] = None,
+                run: Optional[str] = None, spectral: bool = False) -> Any:
+    """``thing.stats``: a pandas DataFrame when pandas is installed, else a StatsTable."""
+    captures = store.get_all(name, rank, run)
+    columns = COLUMNS + (("spectral",) if spectral else ())
+    rows = []
+    for capture in captures:
+        values = capture_stats(capture).values
+        shape = capture.leaves[0].shape if len(capture.leaves) == 1 else ()
+        row: list[Any] = [capture.step, capture.received_at, shape]
+        if values is None:
+            row += [None] * 7
+        else:
+            row += [values.min, values.max, values.mean, values.std, values.norm, values.nan,
+                    values.inf]
+        if spectral:
+            row.append(top_singular_value(capture))
+        rows.append(tuple(row))
+    table = StatsTable(f"{name}: {len(rows)} captures", columns, rows)
+    try:
+        import pandas
+    except ImportError:
+        _say_once("pandas is not installed: thing.stats() returns a plain table "
+                  "(pip install pandas for a DataFrame; .to_dict() converts it)")
+        return table
+    frame = pandas.DataFrame(table.to_dict())
+    frame["arrived"] = pandas.to_datetime(frame["arrived"], unit="s")
+    return frame
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        log.info(message)
