@@ -136,3 +136,20 @@ def test_with_no_share_nothing_is_worked_out_until_asked(monkeypatch) -> None:
         run_script("import thing; thing.catch(2.0, name='y').wait(10)", server.port)
         assert server.store.get("y").stats is None
         assert _columns(server.stats("y"))["max"] == [2.0]
+
+
+def test_under_steady_traffic_the_worker_still_works_and_lets_go_when_closed() -> None:
+    with thing.Server(port=0) as server:
+        script = """
+            import time, numpy as np, thing
+            for i in range(150):  # every 10 ms: never a 20 ms pause
+                thing.catch(np.full(1000, i, np.float32), name="w")
+                time.sleep(0.01)
+        """
+        from .conftest import start_script
+        sender = start_script(script, server.port)
+        poll(lambda: any(c.stats is not None for c in server.store.recent(200)), 15,
+             "statistics while captures keep arriving")
+        sender.communicate(timeout=60)
+        store = server.store
+    assert store._listeners == []  # the worker's listener went with it

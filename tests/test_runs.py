@@ -93,3 +93,50 @@ def test_jobs_started_from_a_notebook_or_repl_are_runs_of_their_own(
     """, server.port)
     assert len(server.runs()) == 2
     assert server.get_all("loss") == [10.0, 11.0, 12.0]
+
+
+def test_rank_then_run_saving_every_run_and_describe(server: thing.Server, tmp_path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    for rank in (0, 1):
+        run_script(JOB, server.port, BASE=str(10 * rank), RANK=str(rank), WORLD_SIZE="2",
+                   TORCHELASTIC_RUN_ID="first-launch")
+    run_script(JOB, server.port, BASE="100", RANK="0", WORLD_SIZE="1", THING_RUN="second")
+    # rank 1 sent only in the first launch: its newest run is that one
+    assert server.get_all("loss", rank=1) == [10.0, 11.0, 12.0]
+    assert server.get_all("loss") == [100.0, 101.0, 102.0]
+    assert server.save(tmp_path / "all", names=["loss"]) == 9  # every run's
+    old = server.store.get("loss", index=2, run="first-launch", rank=0)
+    server.describe(old.id)
+    assert "6 kept; this is get('loss', index=5, run='first-launch')" in capsys.readouterr().out
+
+
+def test_a_torchrun_launch_with_the_default_rendezvous_id_is_one_run(
+        server: thing.Server) -> None:
+    run_script(f"""
+        import os, subprocess, sys, textwrap
+        ranks = [subprocess.Popen([sys.executable, "-c", textwrap.dedent({JOB!r})],
+                                  env=dict(os.environ, RANK=str(rank), WORLD_SIZE="2",
+                                           BASE=str(10 * rank), TORCHELASTIC_RUN_ID="none",
+                                           MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"))
+                 for rank in (0, 1)]
+        assert all(rank.wait(60) == 0 for rank in ranks)
+    """, server.port, timeout=120)
+    (run,) = server.runs()
+    assert run.ranks == (0, 1) and run.id.startswith("torchrun-127.0.0.1:29500-")
+
+
+def test_forks_of_an_interactive_session_share_its_run(server: thing.Server) -> None:
+    run_script("""
+        import os, sys
+        sys.ps1 = ">>> "  # a notebook or REPL: it names no run for what it spawns
+        import thing
+        child = os.fork()
+        if child == 0:
+            thing.catch(1.0, name="from child").wait(10)
+            os._exit(0)
+        os.waitpid(child, 0)
+        assert thing.catch(2.0, name="from parent").wait(10)
+        assert "THING_RUN_ID" not in os.environ
+    """, server.port)
+    (run,) = server.runs()
+    assert run.captures == 2

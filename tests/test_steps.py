@@ -66,3 +66,13 @@ def test_describe_shows_the_step_and_a_recording_keeps_it(server: thing.Server,
     loaded.load(tmp_path / "saved")
     assert [(c.call, c.given_step, c.step) for c in loaded.get_all("acc")] == [
         (1, 700, 700), (2, None, 2)]
+
+
+def test_the_least_recently_caught_name_is_forgotten_first(server: thing.Server) -> None:
+    run_script("""
+        import thing
+        for i in range(5):
+            assert thing.catch(float(i), name="loss").wait(10)
+            assert thing.catch(float(i), name=f"once {i}").wait(10)  # a new name every step
+    """, server.port, THING_MAX_NAMES="2")
+    assert [c.step for c in server.store.get_all("loss")] == [1, 2, 3, 4, 5]

@@ -200,7 +200,9 @@ class Client:
             if name is None:
                 name, site = self._names.name_for(_frame or sys._getframe(1))
             throttle = self._throttles.get(name)
-            if throttle is None:
+            try:  # the least recently caught name is the one forgotten first
+                self._throttles.move_to_end(name)
+            except KeyError:  # new, or forgotten by another thread just now
                 throttle = self._new_throttle(name)
             call = throttle.admit(int(every), first)
             if not call:
@@ -241,7 +243,7 @@ class Client:
 
     def _new_throttle(self, name: str | None) -> _Throttle:
         # Bounded: a job that makes up a new name every step must not grow without end.
-        # The oldest name's counting starts again if it comes back.
+        # The least recently caught name's counting starts again if it comes back.
         with self._lock:
             throttle = self._throttles.setdefault(name, _Throttle())
             while len(self._throttles) > self._max_names:

@@ -1,16 +1,14 @@
 """Statistics over a name's history: a row per capture, worked out once, off the receive path.
 
 A :class:`StatsWorker` computes each capture's statistics (``stats.py``) after
-it is stored, on one background thread, in the pauses between arrivals (none
-for ``IDLE_GAP``): working during a burst would compete with the receiving
-threads for the GIL and the cores (measured: a burst of 1,000 captures of
-4 MiB took 1.2–1.4x as long with a worker that only rested in proportion to
-its work). Even then it takes at most ``share`` of a core, resting in
-proportion to the time it worked. Receiving threads only hand it a capture's
-id (a bounded queue's append), and it holds no capture alive: one evicted
-before its turn is skipped. The REPL's
-``thing.stats`` reads what it cached, and works out on its own thread what it
-has not reached yet (and everything, for a recording opened with no server).
+it is stored, on one background thread, preferably in the pauses between
+arrivals (none for ``IDLE_GAP``), and under steady traffic after
+``MAX_IDLE_WAIT`` anyway: either way it takes at most ``share`` of a core,
+resting in proportion to the time it worked. Receiving threads only hand it
+a capture's id (a bounded queue's append), and it holds no capture alive:
+one evicted before its turn is skipped. The REPL's ``thing.stats`` reads
+what it cached, and works out on its own thread what it has not reached yet
+(and everything, for a recording opened with no server).
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .errors import UnknownName
-from .reports import clock, number, shape_text
-from .stats import ArrayStats, array_stats
+from .stats import ArrayStats, array_stats, as_float64
 from .store import Capture, HistoryStore
 
 log = logging.getLogger("thing")
@@ -37,6 +34,7 @@ COLUMNS = ("step", "arrived", "shape", "min", "max", "mean", "std", "norm", "nan
 EXACT_SPECTRAL_ELEMENTS = 1 << 22
 MAX_WAITING = 10_000  # ids the worker may have queued; beyond, they wait for stats()
 IDLE_GAP = 0.02  # seconds without an arrival before the worker starts on what waits
+MAX_IDLE_WAIT = 1.0  # under steady traffic it works anyway after this long, within its share
 
 
 @dataclass
@@ -79,19 +77,13 @@ def top_singular_value(capture: Capture) -> Optional[float]:
     if known.spectral is None and known.values is not None:
         parts = capture.parts()
         if len(parts.specs) == 1 and len(parts.specs[0].shape) == 2 and parts.arrays[0].size:
-            matrix = _as_float64(capture)
+            matrix = as_float64(parts.arrays[0], parts.specs[0])
+            if matrix is None:
+                return None
             known.spectral = (float(np.linalg.norm(matrix, 2))
                               if matrix.size <= EXACT_SPECTRAL_ELEMENTS
                               else _power_iteration(matrix))
     return known.spectral
-
-
-def _as_float64(capture: Capture) -> np.ndarray:
-    value = capture.value
-    if hasattr(value, "detach"):  # torch, bf16 included: the REPL's thread may import it
-        value = value.detach().float().cpu().numpy()
-    matrix = np.asarray(value)
-    return np.abs(matrix) if np.iscomplexobj(matrix) else matrix.astype(np.float64)
 
 
 def _power_iteration(matrix: np.ndarray, steps: int = 100) -> float:
@@ -109,7 +101,7 @@ class StatsWorker:
     def __init__(self, store: HistoryStore, share: float = 0.25):
         self.store = store
         self.share = share
-        self._waiting: deque[int] = deque()
+        self._waiting: deque[int] = deque(maxlen=MAX_WAITING)  # full: the oldest go
         self._last_arrival = 0.0  # monotonic
         self._wake = threading.Event()
         self._closing = threading.Event()
@@ -136,9 +128,8 @@ class StatsWorker:
 
     def _arrived(self, capture: Capture) -> None:
         self._last_arrival = time.monotonic()
-        if len(self._waiting) < MAX_WAITING:
-            self._waiting.append(capture.id)
-            self._wake.set()
+        self._waiting.append(capture.id)
+        self._wake.set()
 
     def _run(self) -> None:
         while not self._closing.is_set():
@@ -149,7 +140,10 @@ class StatsWorker:
                 if not self._waiting:
                     self._wake.wait()
                 continue
+            give_up = time.monotonic() + MAX_IDLE_WAIT
             while (quiet := time.monotonic() - self._last_arrival) < IDLE_GAP:
+                if time.monotonic() >= give_up:
+                    break
                 if self._closing.wait(IDLE_GAP - quiet):
                     return
             try:
@@ -161,6 +155,7 @@ class StatsWorker:
                 capture_stats(capture)
             except Exception:  # a value it cannot read must not end the worker
                 log.debug("no statistics for capture %d", capture_id, exc_info=True)
+            del capture  # while it waits for the next, it must not keep this one's memory
             # Rest so that working takes at most `share` of the time.
             self._closing.wait((time.perf_counter() - started) * (1 / self.share - 1))
 
@@ -183,6 +178,7 @@ class StatsTable:
 
     def _report(self) -> Any:
         from .display import Column, Report, Table
+        from .reports import clock, number, shape_text
 
         def cell(column: str, value: Any) -> str:
             if value is None:

@@ -226,6 +226,7 @@ class Recorder:
                 self._changed.notify_all()  # receivers waiting for room have it
             if batch or (finished and dropped):  # at the end, an empty one tells what dropped
                 self._write(batch, arrivals, dropped)
+            del batch, arrivals  # written: waiting for the next, it keeps none of them
             with self._changed:
                 if self._finished:  # still: _write may have given captures back
                     return

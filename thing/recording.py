@@ -18,7 +18,7 @@ from typing import Union
 
 from .errors import BadRecording, ThingError
 from .segments import KnownHeaders, Segment, read_segment, write_segment
-from .store import HistoryStore, Sender
+from .store import ALL_RUNS, HistoryStore, Sender
 
 log = logging.getLogger("thing")
 
@@ -57,7 +57,8 @@ def save(store: HistoryStore, path: PathLike, names: Iterable[str] | None = None
         captures = store.recent(len(store))[::-1]
     else:
         captures = sorted((capture for name in dict.fromkeys(names)
-                           for capture in store.get_all(name)), key=lambda c: c.received_at)
+                           for capture in store.get_all(name, run=ALL_RUNS)),
+                          key=lambda c: c.received_at)
     number, start = 0, 0
     while start < len(captures) or not number:  # an empty history is an empty segment
         held, stop = 0, start

@@ -182,9 +182,10 @@ def stats(name: str, rank: int | None = None, run: str | None = None, *,
 def runs() -> list[Run]:
     """The runs that sent the kept captures, oldest first: id, start, end, captures, ranks.
 
-    A run is a training job: every process that catches names its run once
-    (``THING_RUN=name`` names it yourself; torchrun's ranks share
-    ``TORCHELASTIC_RUN_ID``), and the processes it forks or spawns join it.
+    A run is a training job: a script names its run at ``import thing`` and
+    the processes it forks or spawns join it (``THING_RUN=name`` names it
+    yourself; torchrun's ranks share their launch's). A notebook or REPL
+    that catches names a run of its own, shared only with what it forks.
     """
     return _store().runs()
 

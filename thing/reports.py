@@ -196,15 +196,19 @@ def _notice_fields(notice: UnsentNotice) -> Fields:
 
 
 def _versions_text(store: HistoryStore, capture: Capture) -> str:
+    run = capture.sender.run
     try:
-        history = store.get_all(capture.name)
+        history = store.get_all(capture.name, run=run)  # its run's, as get() counts them
+        newest_run = store.get(capture.name).sender.run
     except KeyError:
         return "0 kept (cleared or evicted since)"
     ids = [c.id for c in history]
     if capture.id not in ids:
         return f"{len(ids)} kept; this one was evicted or cleared since"
     index = len(ids) - 1 - ids.index(capture.id)
-    where = "the newest" if index == 0 else f"get({capture.name!r}, index={index})"
+    selector = "" if run == newest_run else f", run={run!r}"
+    where = (f"the newest{' of its run' if selector else ''}" if index == 0
+             else f"get({capture.name!r}, index={index}{selector})")
     return f"{len(ids)} kept; this is {where}"
 
 

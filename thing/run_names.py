@@ -2,7 +2,9 @@
 
 A run is named by, in order: ``THING_RUN`` (the user's name for it), torchrun's
 ``TORCHELASTIC_RUN_ID`` (shared by the ranks of one launch), or
-``THING_RUN_ID``, which a job sets in its environment when it names a new run:
+``THING_RUN_ID``, which a job sets in its environment when it names a new run
+(a torchrun launch with the default rendezvous id "none" is named after its
+master's address and its agent):
 at ``import thing`` in a script, so that the processes it spawns (``mp.spawn``
 ranks, spawned DataLoader workers, ``subprocess``) join its run. A forked
 child (a DataLoader worker) shares its parent's run in any case.
@@ -38,6 +40,8 @@ def current_run() -> str:
 def name_this_job() -> None:
     """At ``import thing``: a script names its run now, for the processes it will spawn."""
     global _exported
+    # A forked child (a notebook's DataLoader worker too) shares its parent's run.
+    os.register_at_fork(before=current_run)
     if _interactive() or _named_run() is not None:
         return
     os.environ[INHERITED] = current_run()
@@ -58,9 +62,19 @@ def _interactive() -> bool:
 
 
 def _named_run() -> Optional[str]:
-    torchrun = os.environ.get("TORCHELASTIC_RUN_ID")
-    for name in (os.environ.get("THING_RUN"), None if torchrun == "none" else torchrun,
-                 os.environ.get(INHERITED)):
+    for name in (os.environ.get("THING_RUN"), _torchrun_launch(), os.environ.get(INHERITED)):
         if name:
             return name[:MAX_RUN_NAME]
+    return None
+
+
+def _torchrun_launch() -> Optional[str]:
+    """The launch torchrun started this rank in: its rendezvous id, or, when that is the
+    default "none", its master's address and the agent (the parent) on this node."""
+    launch = os.environ.get("TORCHELASTIC_RUN_ID")
+    if launch and launch != "none":
+        return launch
+    master = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if launch == "none" and all(master):
+        return f"torchrun-{master[0]}:{master[1]}-{os.getppid()}"
     return None

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from . import auth, config, receiver, wire
 from .buffers import ReceiveBuffers
 from .errors import HandshakeError, ProtocolError
+from .history_stats import StatsWorker
 from .sockets import (
     listen,
     listen_unix,
@@ -35,7 +36,6 @@ from .sockets import (
 from .store import Capture, HistoryStore, Run, Sender, value_of
 
 if TYPE_CHECKING:
-    from .history_stats import StatsWorker
     from .recorder import Recorder
 
 log = logging.getLogger("thing")
@@ -123,8 +123,6 @@ class Server:
                 "elsewhere run:  export THING_TOKEN=%s", self.host, where, self.token,
             )
         self._closing.clear()
-        from .history_stats import StatsWorker
-
         self._stats_worker = StatsWorker(self.store, config.stats_share()).start()
         self._spawn(self._accept_loop, "thing-accept", self._listener)
         self._spawn(self._enforce_deadlines, "thing-deadlines")

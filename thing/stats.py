@@ -59,6 +59,13 @@ def array_stats(value: Any, spec: LeafSpec | None = None) -> ArrayStats | None:
     # Integers (not the raw bits of a bfloat16/float8 kept as uint) keep exact min and max.
     exact_int = _is_integer(flat) and not (
         spec is not None and (spec.dtype == "bfloat16" or spec.dtype.startswith("float8")))
+    # Values near the float64 limits overflow a square: the result says inf, not a warning
+    # printed from whichever thread (the REPL's, the background worker's) asked.
+    with np.errstate(all="ignore"):
+        return _chunked_stats(flat, to_float, magnitude, exact_int)
+
+
+def _chunked_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool) -> ArrayStats:
     count = finite = nan = inf = 0
     lo = hi = None
     mean = m2 = sumsq = 0.0
@@ -97,6 +104,13 @@ def array_stats(value: Any, spec: LeafSpec | None = None) -> ArrayStats | None:
         return ArrayStats(count, 0, nan, inf, None, None, None, None, None, magnitude)
     return ArrayStats(count, finite, nan, inf, lo, hi, mean, math.sqrt(m2 / finite),
                       math.sqrt(sumsq), magnitude)
+
+
+def as_float64(array: np.ndarray, spec: LeafSpec) -> np.ndarray | None:
+    """A received array's values as float64 (magnitudes for complex), bfloat16 and float8
+    read from their raw bits; None when its dtype holds no numbers."""
+    to_float = _float_converter(array, spec)
+    return None if to_float is None else to_float(array)
 
 
 def _flat_numpy_source(value: Any) -> Any:

@@ -382,7 +382,8 @@ class HistoryStore:
     def unlisten(self, listener: Callable[[Capture], None]) -> None:
         """Stop calling a listener given to :meth:`listen`."""
         with self._lock:
-            self._listeners = [known for known in self._listeners if known is not listener]
+            # ==, not is: each `obj.method` is a new bound-method object, equal to the last.
+            self._listeners = [known for known in self._listeners if known != listener]
 
     def _insert(self, capture: Capture, charge: int) -> None:
         """Hold a new capture (its id not yet used) as the newest; the caller holds the lock."""
@@ -487,20 +488,21 @@ class HistoryStore:
     def _history(self, name: str, rank: int | None, run: str | None = None) -> list[Capture]:
         name = self._resolve(name)
         history = list(self._by_name[name])
-        if run != ALL_RUNS:
-            # By default, the run that sent the newest: a restarted job is a new history.
-            wanted = history[-1].sender.run if run is None else run
-            history = [capture for capture in history if capture.sender.run == wanted]
-            if not history:
-                runs = dict.fromkeys(c.sender.run for c in self._by_name[name])
-                raise UnknownName(f"no capture named {name!r} from run {run!r}; it came from "
-                                  f"run(s) {', '.join(map(repr, runs))} (run='all': every one)")
         if rank is not None:
             history = [capture for capture in history if capture.rank == rank]
             if not history:
                 ranks = sorted({c.rank for c in self._by_name[name]}, key=lambda r: (r is None, r))
                 raise UnknownName(f"no capture named {name!r} from rank {rank}; it came from "
                                   f"rank(s) {', '.join(map(str, ranks))}")
+        if run != ALL_RUNS:
+            # By default, the run that sent the newest: a restarted job is a new history.
+            wanted = history[-1].sender.run if run is None else run
+            kept = [capture for capture in history if capture.sender.run == wanted]
+            if not kept:
+                runs = dict.fromkeys(c.sender.run for c in history)
+                raise UnknownName(f"no capture named {name!r} from run {run!r}; it came from "
+                                  f"run(s) {', '.join(map(repr, runs))} (run='all': every one)")
+            history = kept
         return history
 
     def _resolve(self, name: str) -> str:
