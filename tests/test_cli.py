@@ -95,13 +95,18 @@ def test_demo_with_numpy_shows_what_arrived_and_records_it(tmp_path: Path) -> No
     out = result.stdout
     assert "training a small numpy model" in out
     assert ">>> thing.summary()" in out and ">>> thing.describe('model.hidden.weight')" in out
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    summary = out.partition(">>> thing.summary()")[2].partition(">>> thing.describe")[0]
+    rows = {line.split()[0]: line.split() for line in summary.splitlines() if line.strip()}
     assert rows["loss"][1:4] == ["()", "float32", "numpy"]
     assert rows["loss"][5] == "30"  # every step
     assert rows["model.hidden.weight"][1:5] == ["(16,", "4)", "float32", "numpy"]
     assert rows["model.hidden.weight"][5] == "3"  # every 10 steps
     assert rows["activations"][1:3] == ["dict", "of"]
     assert "['hidden']" in out and "['prediction']" in out and "L2 norm" in out
+    # It ends by drawing the loss over the steps, in the terminal's text.
+    drawn = out.partition(">>> thing.plot('loss')")[2].partition("Recorded")[0].splitlines()
+    assert drawn[1].strip() == "loss" and drawn[2].startswith("┌") and "x: step" in drawn
+    assert all(len(line) <= 160 for line in drawn)
     assert f"Recorded 36 captures into {tmp_path / 'rec'}" in out
     recorded = thing.HistoryStore()
     assert recorded.load(tmp_path / "rec") == 36
@@ -116,7 +121,8 @@ def test_demo_with_torch_when_installed() -> None:
         sys.exit(main(["demo", "--steps", "20"]))
     """, timeout=120, COLUMNS="160")
     assert "training a small torch model" in out
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    summary = out.partition(">>> thing.summary()")[2].partition(">>> thing.describe")[0]
+    rows = {line.split()[0]: line.split() for line in summary.splitlines() if line.strip()}
     assert rows["loss"][1:4] == ["()", "float32", "torch"]
     assert rows["model.hidden.weight"][1:5] == ["(16,", "4)", "float32", "torch"]
     assert "activations" in rows

@@ -43,9 +43,24 @@ def test_a_training_job_loads_only_the_sending_side(server) -> None:
                                 "thing.run_names"]
     # Catching loads the sending side, never the server, the store or the REPL's.
     receiving = {"thing.server", "thing.store", "thing.receiver", "thing.repl", "thing.reports",
-                 "thing.display", "thing.live", "thing.ingest", "thing.stats", "thing.buffers"}
+                 "thing.display", "thing.live", "thing.ingest", "thing.array_stats",
+                 "thing.buffers", "thing.plot_series", "thing.plot_drawing"}
     assert not receiving & set(sent.split()), sent
     assert "thing.channel" in sent.split()
+
+
+def test_no_module_hides_a_function_of_the_same_name() -> None:
+    # Importing thing.X sets the attribute X of the package: a module named like a public
+    # function (thing/stats.py once did) would replace thing.stats() once anything imported it.
+    out = run_script("""
+        import pkgutil, importlib, thing
+        for module in pkgutil.iter_modules(thing.__path__):
+            if module.name != "__main__":  # the command line itself
+                importlib.import_module("thing." + module.name)
+        print(sorted(name for name in thing.__all__ if type(getattr(thing, name)).__name__
+                     == "module"))
+    """)
+    assert out.strip() == "[]"
 
 
 def test_the_receiving_side_loads_on_first_use() -> None:

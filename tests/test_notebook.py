@@ -20,6 +20,8 @@ temporary directory, and into the message of a timed-out wait.
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import queue
 import re
@@ -481,3 +483,94 @@ def test_a_cell_run_again_keeps_its_names(kernel: Kernel) -> None:
              kernel.execute(in_function).result, kernel.execute(in_function).result]
     assert names == ["'x'", "'x'", "'x'", "'x_1'", "'x_1'"]
     assert kernel.execute("len(thing.get_all('x')), len(thing.get_all('x_1'))").result == "(3, 2)"
+
+
+# -- plots ------------------------------------------------------------------------------------
+
+
+PLOTTING_JOB = """
+import numpy as np, thing
+w = np.zeros((8, 4), np.float32)
+for step in range(1, 31):
+    handle = thing.catch(np.float32(1.0 / step), name="loss", step=step)
+    w += np.float32(0.1) * step
+    thing.catch(w, name="w", every=10, copy=True, step=step)
+assert handle.wait(20)
+"""
+
+
+def test_plots_are_images_in_a_notebook_run_by_nbclient(tmp_path: Path) -> None:
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    (tmp_path / "train.py").write_text(PLOTTING_JOB)
+    cells = [
+        "import os, subprocess, sys, thing\nserver = thing.serve(port=0)",
+        "job = subprocess.run([sys.executable, 'train.py'], capture_output=True, text=True,\n"
+        "                     env={**os.environ, 'THING_PORT': str(server.port)}, timeout=60)\n"
+        "assert job.returncode == 0, job.stderr",
+        "thing.plot('loss')",
+        "thing.plot(['loss', 'w'])",
+        "thing.hist('w', bins=20)",
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    manager = jupyter_client.KernelManager(
+        kernel_name="python3",
+        kernel_spec_manager=jupyter_client.kernelspec.KernelSpecManager(kernel_dirs=[]))
+    client = nbclient.NotebookClient(notebook, km=manager, timeout=90,
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute(env=kernel_env(tmp_path / "ipython"))
+    nbformat.validate(notebook)
+    for cell in notebook.cells[2:]:
+        [output] = cell.outputs  # shown once: no second figure from an inline backend
+        assert output.output_type == "display_data", cell.source
+        png = base64.b64decode(output.data["image/png"])
+        pixels = imread(io.BytesIO(png))
+        assert pixels.shape[1] >= 600 and (pixels[..., :3] < 0.9).any(axis=2).mean() > 0.01
+        assert "\x1b[" not in output.data["text/plain"]
+    assert "loss" in notebook.cells[2].outputs[0].data["text/plain"].splitlines()[0]
+
+
+def test_a_live_plot_redraws_while_a_job_sends(kernel: Kernel) -> None:
+    import numpy as np
+
+    import thing
+
+    port = int(kernel.execute("import thing\nserver = thing.serve(port=0)\nserver.port").result)
+    client = thing.Client("127.0.0.1", port)  # the training job: this test's process
+    try:
+        assert client.catch(np.float32(1.0), name="loss", step=1).wait(10)
+        cell = kernel.execute("view = thing.plot('loss', live=True)\nview", timeout=20)
+        assert cell.status == "ok"  # the cell ends: the kernel stays free
+        display_id = next(o.display_id for o in cell.displays if o.display_id)
+        pictures = [kernel.shown(display_id).data["image/png"]]
+        assert "updating as captures arrive; .stop() stops it" in (cell.result or "")
+        for step in (2, 3, 4):
+            assert client.catch(np.float32(1.0 / step), name="loss", step=step).wait(10)
+            kernel.drain(10, until=lambda o: o.kind == "update_display_data"
+                         and o.display_id == display_id
+                         and o.data["image/png"] not in pictures)
+            pictures.append(kernel.shown(display_id).data["image/png"])
+        assert len(set(pictures)) == 4  # redrawn after each capture, each time a new picture
+
+        # A burst of 50 captures is drawn at most twice a second, not 50 times.
+        started = time.monotonic()
+        for step in range(5, 55):
+            client.catch(np.float32(1.0 / step), name="loss", step=step)
+        assert client.catch(np.float32(0.0), name="loss", step=55).wait(10)
+        seen = kernel.drain(3)
+        updates = [o for o in seen if o.kind == "update_display_data"
+                   and o.display_id == display_id]
+        assert 1 <= len(updates) <= 2 * (time.monotonic() - started) + 1
+
+        # Running the same plot again replaces it; stop() ends it.
+        kernel.execute("again = thing.plot('loss', live=True)", timeout=20)
+        threads = "import threading\nsum(t.name == 'thing-plot' for t in threading.enumerate())"
+        assert kernel.execute(threads).result == "1"
+        assert kernel.execute("view.running, again.running").result == "(False, True)"
+        kernel.execute("again.stop()")
+        assert kernel.execute(threads).result == "0"
+    finally:
+        client.close()

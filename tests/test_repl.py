@@ -404,10 +404,10 @@ def test_describe_by_id_and_of_a_scalar(default: thing.Server, capsys) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "uint8", "bool", "float16"])
 def test_array_stats_match_numpy_across_chunks(dtype: str, monkeypatch) -> None:
-    monkeypatch.setattr(thing.stats, "STATS_CHUNK", 1000)  # several chunks to merge
+    monkeypatch.setattr(thing.array_stats, "STATS_CHUNK", 1000)  # several chunks to merge
     rng = np.random.default_rng(1)
     values = (rng.normal(3, 2, 4567) * 10).astype(dtype)
-    stats = thing.stats.array_stats(values)
+    stats = thing.array_stats.array_stats(values)
     exact = values.astype(np.float64)
     assert stats.count == stats.finite == values.size and stats.nan == stats.inf == 0
     assert stats.min == exact.min() and stats.max == exact.max()
@@ -428,15 +428,15 @@ def test_array_stats_of_torch_jax_bfloat16_and_raw_bits() -> None:
                   reference.astype(ml_dtypes.bfloat16),
                   reference.astype(ml_dtypes.bfloat16).view(np.uint16)):
         spec = thing.arrays.LeafSpec("numpy", "bfloat16", (4,))
-        stats = thing.stats.array_stats(value, spec)
+        stats = thing.array_stats.array_stats(value, spec)
         assert (stats.min, stats.max, stats.mean) == (-2.0, 3.5, reference.mean()), value
     big = np.array([2**62 + 1, -5], np.int64)
-    assert thing.stats.array_stats(big).max == 2**62 + 1  # exact, not rounded via float64
-    complex_stats = thing.stats.array_stats(np.array([3 + 4j, 0j]))
+    assert thing.array_stats.array_stats(big).max == 2**62 + 1  # exact, not rounded via float64
+    complex_stats = thing.array_stats.array_stats(np.array([3 + 4j, 0j]))
     assert complex_stats.magnitude and complex_stats.max == 5.0
-    empty = thing.stats.array_stats(np.zeros((0, 3)))
+    empty = thing.array_stats.array_stats(np.zeros((0, 3)))
     assert empty.count == 0 and empty.min is None
-    assert thing.stats.array_stats(b"bytes") is None
+    assert thing.array_stats.array_stats(b"bytes") is None
 
 
 # -- status -----------------------------------------------------------------------------------

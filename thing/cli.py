@@ -269,6 +269,8 @@ def run_demo(steps: int = 100, use_torch: bool | None = None, timeout: float = 1
         for name in ("model.hidden.weight", "activations"):
             print(f"\n>>> thing.describe({name!r})", flush=True)
             repl.describe(name)
+        print("\n>>> thing.plot('loss')", flush=True)
+        repl.plot("loss")
         if recorder is not None:
             recorder.close()  # the last segment written, every capture is on disk
             print(f"\nRecorded {recorder.written} captures into {record}: "

@@ -224,6 +224,17 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
+_said: set[str] = set()
+
+
+def say_once(line: str) -> None:
+    """:func:`say` a line the first time it is said in this session only (a hint that an
+    optional package would do better)."""
+    if line not in _said:
+        _said.add(line)
+        say(line)
+
+
 def in_notebook() -> bool:
     """True inside a Jupyter kernel (where output is displayed, not written to a terminal)."""
     ipython = sys.modules.get("IPython")

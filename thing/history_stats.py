@@ -1,6 +1,6 @@
 """Statistics over a name's history: a row per capture, worked out once, off the receive path.
 
-A :class:`StatsWorker` computes each capture's statistics (``stats.py``) after
+A :class:`StatsWorker` computes each capture's statistics (``array_stats.py``) after
 it is stored, on one background thread, preferably in the pauses between
 arrivals (none for ``IDLE_GAP``), and under steady traffic after
 ``MAX_IDLE_WAIT`` anyway: either way it takes at most ``share`` of a core,
@@ -23,8 +23,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .array_stats import ArrayStats, array_stats, as_float64, value_histogram
+from .display import say_once
 from .errors import UnknownName
-from .stats import ArrayStats, array_stats, as_float64
 from .store import Capture, HistoryStore
 
 log = logging.getLogger("thing")
@@ -84,6 +85,19 @@ def top_singular_value(capture: Capture) -> Optional[float]:
                               if matrix.size <= EXACT_SPECTRAL_ELEMENTS
                               else _power_iteration(matrix))
     return known.spectral
+
+
+def capture_histogram(capture: Capture, bins: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """``(counts, edges)`` of the finite values of a capture of one array or number, in
+    ``bins`` equal bins from its min to its max; None for a capture with no finite numbers."""
+    values = capture_stats(capture).values
+    if values is None or not values.finite:
+        return None
+    low, high = float(values.min), float(values.max)  # type: ignore[arg-type]
+    parts = capture.parts()
+    if parts.specs:
+        return value_histogram(parts.arrays[0], parts.specs[0], bins, low, high)
+    return value_histogram(np.array(low), None, bins, low, high)  # a number in the header
 
 
 def _power_iteration(matrix: np.ndarray, steps: int = 100) -> float:
@@ -222,18 +236,10 @@ def stats_table(store: HistoryStore, name: str, rank: Optional[int] = None,
     try:
         import pandas
     except ImportError:
-        _say_once("pandas is not installed: thing.stats() returns a plain table "
+        say_once("pandas is not installed: thing.stats() returns a plain table "
                   "(pip install pandas for a DataFrame; .to_dict() converts it)")
         return table
     frame = pandas.DataFrame(table.to_dict())
     frame["arrived"] = pandas.to_datetime(frame["arrived"], unit="s")
     return frame
 
-
-_said: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    if message not in _said:
-        _said.add(message)
-        log.info(message)

@@ -1,4 +1,7 @@
-"""``thing.status()``: arrivals as they come, in a terminal, a notebook or a pipe.
+"""Views that follow the history as it grows: ``thing.status()``, and live plots.
+
+``thing.status()`` shows the newest arrivals, and a sparkline of the recent
+values of each name that holds single numbers (a loss):
 
 - In a terminal: a view redrawn in place (rich's Live, imported here only)
   with a spinner that turns while it waits; Ctrl+C returns to the prompt.
@@ -10,6 +13,8 @@
 - Piped, or without rich: one line per arrival, until Ctrl+C.
 
 The server keeps receiving in every case, and after the watching stops.
+:class:`NotebookView` and :func:`redraw_until_interrupted` also redraw
+``thing.plot(..., live=True)`` (``plot_drawing.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .display import Column, Report, Table, elide, in_notebook, say, terminal_width
 from .reports import bytes_text, clock, flag, rank_text, row_kind, sender_text
@@ -32,7 +37,7 @@ log = logging.getLogger("thing")
 REFRESH = 0.25  # seconds between redraws at most, and between spinner steps
 MIN_INTERVAL = 0.1  # a flood of arrivals must not turn redrawing into a busy loop
 
-_notebook_watcher: NotebookWatcher | None = None
+_notebook_watcher: NotebookView | None = None
 _watcher_lock = threading.Lock()
 
 
@@ -47,7 +52,9 @@ def watch(store: HistoryStore, info: Callable[[], ServerInfo], on: bool = True,
                 _notebook_watcher.stop()
                 _notebook_watcher = None
             if on:
-                _notebook_watcher = NotebookWatcher(store, info, rows)
+                _notebook_watcher = NotebookView(store, view(store, info(), rows),
+                                                 lambda: view(store, info(), rows),
+                                                 "thing-status")
         return
     if not on:
         return
@@ -81,7 +88,30 @@ def view(store: HistoryStore, info: ServerInfo, rows: int, width: int | None = N
                   [] if recent else ["waiting for the first capture..."],
                   [("shrink", "value"), ("shrink", "sender"), ("drop", "sender"),
                    ("drop", "rank"), ("drop", "id"), ("shrink", "name")])
-    return Report(header, table)
+    return Report(header, _sparkline_table(store, width), table)
+
+
+def _sparkline_table(store: HistoryStore, width: int, names: int = 5) -> Table | None:
+    """The recent values of the ``names`` most recently updated names that hold single
+    numbers, one sparkline each."""
+    from .plot_drawing import sparkline
+    from .plot_series import recent_values
+    from .reports import number
+
+    columns = max(min(width - 34, 60), 8)
+    rows = []
+    for capture, _ in store.overview(4 * names).names:
+        values = recent_values(store, capture.name, columns)
+        if values is None or any(row[0] == capture.name for row in rows):
+            continue
+        rows.append([capture.name, sparkline(values, columns), number(float(values[-1]))])
+        if len(rows) == names:
+            break
+    if not rows:
+        return None
+    return Table(None, [Column("name", 12, "middle"), Column(f"last {columns}"),
+                        Column("value", 8)], rows, [],
+                 [("shrink", "value"), ("shrink", "name")])
 
 
 def _arrival_row(capture: Capture) -> list[str]:
@@ -91,16 +121,25 @@ def _arrival_row(capture: Capture) -> list[str]:
             rank_text(capture), shape, dtype, value, sender_text(capture)]
 
 
-class NotebookWatcher:
-    """A notebook display of the arrivals, updated by a background thread until stopped."""
+class NotebookView:
+    """A notebook display that a background thread redraws as captures arrive, until stopped.
 
-    def __init__(self, store: HistoryStore, info: Callable[[], ServerInfo], rows: int):
+    ``redraw()`` returns what to display now, or None when nothing it shows
+    changed. Between redraws the thread waits for an arrival, at least
+    ``min_interval`` s and at least three times as long as the last redraw
+    took, so an expensive one (a plot's PNG) takes at most a quarter of a core.
+    """
+
+    def __init__(self, store: HistoryStore, first: Any, redraw: Callable[[], Any],
+                 thread_name: str, min_interval: float = MIN_INTERVAL):
         from IPython.display import display
 
-        self.store, self.info, self.rows = store, info, rows
+        self.store = store
+        self._redraw = redraw
+        self._min_interval = min_interval
         self._stop = threading.Event()
-        self._handle = display(view(store, info(), rows), display_id=True)
-        self._thread = threading.Thread(target=self._run, name="thing-status", daemon=True)
+        self._handle = display(first, display_id=True)
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -113,18 +152,51 @@ class NotebookWatcher:
         """True while the display is being updated."""
         return self._thread.is_alive()
 
+    def __repr__(self) -> str:
+        state = "updating as captures arrive; .stop() stops it" if self.running else "stopped"
+        return f"<live view {self._thread.name}: {state}>"
+
     def _run(self) -> None:
-        seen = -1
+        seen = self.store.received
+        rest = self._min_interval
         while not self._stop.is_set():
+            _next_frame(self.store, seen, rest, self._stop)
+            if self.store.received == seen:
+                continue
+            seen = self.store.received
+            started = time.perf_counter()
             try:
-                received = self.store.received
-                if received != seen:
-                    seen = received
-                    self._handle.update(view(self.store, self.info(), self.rows))
+                shown = self._redraw()
+                if shown is not None:
+                    self._handle.update(shown)
             except Exception:  # the server closed, or the kernel's display went away
-                log.debug("thing.status() stopped updating", exc_info=True)
+                log.debug("%s stopped updating", self._thread.name, exc_info=True)
                 return
-            _next_frame(self.store, seen, self._stop)
+            rest = max(self._min_interval, 3 * (time.perf_counter() - started))
+
+
+def redraw_until_interrupted(store: HistoryStore, draw: Callable[[], str],
+                             min_interval: float) -> None:
+    """Print ``draw()`` (text, ANSI colours allowed) and redraw it in place as captures
+    arrive, until Ctrl+C; where the output cannot be redrawn (piped), print it once."""
+    if not _terminal_can_redraw():
+        say(draw())
+        say("(live plots redraw in a terminal or a notebook; this output is not one)")
+        return
+    from rich.live import Live
+    from rich.text import Text
+
+    say("Drawing as captures arrive; press Ctrl+C to stop.")
+    try:
+        with Live(Text.from_ansi(draw()), auto_refresh=False, transient=False) as shown:
+            seen = store.received
+            while True:
+                _next_frame(store, seen, min_interval)
+                if store.received != seen:
+                    seen = store.received
+                    shown.update(Text.from_ansi(draw()), refresh=True)
+    except KeyboardInterrupt:
+        pass
 
 
 def _terminal_can_redraw() -> bool:
@@ -173,11 +245,12 @@ def _watch_as_lines(store: HistoryStore) -> None:
         seen = received
 
 
-def _next_frame(store: HistoryStore, seen: int, stop: threading.Event | None = None) -> None:
-    """Return after the next arrival or REFRESH s, but not sooner than MIN_INTERVAL s."""
+def _next_frame(store: HistoryStore, seen: int, min_interval: float = MIN_INTERVAL,
+                stop: threading.Event | None = None) -> None:
+    """Return after the next arrival or REFRESH s, but not sooner than ``min_interval`` s."""
     started = time.monotonic()
-    store.wait_for_arrival(seen, REFRESH)
-    rest = MIN_INTERVAL - (time.monotonic() - started)
+    store.wait_for_arrival(seen, max(REFRESH, min_interval))
+    rest = min_interval - (time.monotonic() - started)
     if rest > 0:
         if stop is not None:
             stop.wait(rest)

@@ -179,6 +179,44 @@ def stats(name: str, rank: int | None = None, run: str | None = None, *,
 
 
 @_short_traceback
+def plot(names: str | list[str], stat: str | list[str] = "auto", rank: int | str | None = None,
+         run: str | None = None, *, live: bool = False,
+         file: str | os.PathLike[str] | None = None) -> Any:
+    """Plot how a name (or each of a list of names) moved over the steps.
+
+    A name of single numbers (a loss) is drawn as its value; an array as its
+    L2 norm, and its mean within a band of ± one std and one from min to max.
+    ``stat=`` picks instead: one or a list of "value", "norm", "spread",
+    "mean", "std", "min", "max", "nan", "inf", "spectral". ``rank="all"``
+    draws a line per rank, ``run="all"`` one per run (else as in
+    :func:`get_all`). In Jupyter an inline image (matplotlib), in a terminal
+    a Unicode plot (uniplot): ``pip install 'thing[plot]'``. ``file="x.png"``
+    writes it instead. ``live=True`` redraws it as captures arrive: in
+    Jupyter at most twice a second, returning a view whose ``stop()`` ends
+    it; in a terminal until Ctrl+C.
+    """
+    from . import plot_drawing
+
+    return plot_drawing.plot(_store(), names, stat, rank, run, live=live, file=file)
+
+
+@_short_traceback
+def hist(name_or_id: str | int, index: int = 0, rank: int | None = None, *,
+         step: int | None = None, run: str | None = None, bins: int = 50,
+         file: str | os.PathLike[str] | None = None) -> None:
+    """Plot the distribution of one capture's values in ``bins`` equal bins from min to max.
+
+    The capture is chosen as in :func:`get` (the newest by default; ``index``,
+    ``rank``, ``step``, ``run``). NaN and Inf are counted apart; complex
+    values by magnitude. Drawn as :func:`plot` draws; ``file=`` writes it.
+    """
+    from . import plot_drawing
+
+    plot_drawing.hist(_store(), name_or_id, index, rank, step=step, run=run, bins=bins,
+                      file=file)
+
+
+@_short_traceback
 def runs() -> list[Run]:
     """The runs that sent the kept captures, oldest first: id, start, end, captures, ranks.
 

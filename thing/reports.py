@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .array_stats import ArrayStats, array_stats
 from .arrays import is_array, sparse_parts
 from .display import Column, Entries, Fields, Report, Table
 from .errors import ProtocolError, UnknownName
-from .stats import ArrayStats, array_stats
 from .store import Capture, HistoryStore, Sender, UnsentNotice
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 # Names shown first by help(), in the order a newcomer needs them.
 _HELP_ORDER = ("catch", "serve", "get", "get_all", "wait", "ingest_all", "summary", "describe",
-               "stats", "status", "runs", "clear", "save", "load", "help")
+               "stats", "plot", "hist", "status", "runs", "clear", "save", "load", "help")
 
 # What gives way, in order, when the summary is wider than the terminal: the name last.
 _SUMMARY_GIVES_WAY = [("shrink", "value"), ("shrink", "sender"), ("drop", "sender"),

@@ -250,6 +250,23 @@ class Server:
 
         return stats_table(self.store, name, rank, run, spectral)
 
+    def plot(self, names: str | list[str], stat: str | list[str] = "auto",
+             rank: int | str | None = None, run: str | None = None, *, live: bool = False,
+             file: str | os.PathLike[str] | None = None) -> Any:
+        """Plot how names moved over the steps (see ``thing.plot``)."""
+        from . import plot_drawing
+
+        return plot_drawing.plot(self.store, names, stat, rank, run, live=live, file=file)
+
+    def hist(self, name_or_id: str | int, index: int = 0, rank: int | None = None, *,
+             step: int | None = None, run: str | None = None, bins: int = 50,
+             file: str | os.PathLike[str] | None = None) -> None:
+        """Plot the distribution of one capture's values (see ``thing.hist``)."""
+        from . import plot_drawing
+
+        plot_drawing.hist(self.store, name_or_id, index, rank, step=step, run=run, bins=bins,
+                          file=file)
+
     def capture(self, name_or_id: str | int, index: int = 0, rank: int | None = None) -> Capture:
         """The :class:`Capture` record (value plus everything known about it)."""
         return self.store.get(name_or_id, index, rank)

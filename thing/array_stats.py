@@ -106,6 +106,25 @@ def _chunked_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool) -
                       math.sqrt(sumsq), magnitude)
 
 
+def value_histogram(value: Any, spec: LeafSpec | None, bins: int, low: float, high: float
+                    ) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(counts, edges)``: how many finite values (magnitudes for complex) fall in each of
+    ``bins`` equal bins from ``low`` to ``high`` (the array's min and max), counted chunk by
+    chunk; None when the dtype holds no numbers."""
+    flat = _flat_numpy_source(value)
+    to_float = None if flat is None else _float_converter(flat, spec)
+    if to_float is None:
+        return None
+    if not low < high:  # every value the same: one bin around it
+        low, high = low - 0.5, high + 0.5
+    counts = np.zeros(bins, np.int64)
+    with np.errstate(all="ignore"):
+        for start in range(0, _size(flat), STATS_CHUNK):
+            x = to_float(_chunk(flat, start, start + STATS_CHUNK))
+            counts += np.histogram(x[np.isfinite(x)], bins, (low, high))[0]
+    return counts, np.linspace(low, high, bins + 1)
+
+
 def as_float64(array: np.ndarray, spec: LeafSpec) -> np.ndarray | None:
     """A received array's values as float64 (magnitudes for complex), bfloat16 and float8
     read from their raw bits; None when its dtype holds no numbers."""

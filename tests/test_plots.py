@@ -1,0 +1,343 @@
+"""thing.plot and thing.hist: what is drawn is what was caught, as pictures and as text.
+
+Jobs in other processes send; this process is the REPL. The pictures are looked at
+through matplotlib's own objects (axes, lines, their data) and as decoded PNG pixels;
+the terminal plot in a pseudo-terminal of 80×24; the fallbacks in an interpreter where
+the plotting libraries and pandas cannot be imported. Notebooks: tests/test_notebook.py.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import thing
+from thing import live, plot_drawing
+from thing.plot_series import chart, histogram
+
+from .conftest import run_script, script_env
+
+matplotlib = pytest.importorskip("matplotlib")
+pytest.importorskip("uniplot")
+from matplotlib.image import imread  # noqa: E402 - only with matplotlib
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+# A training job: a loss every step (NaN at step 30), a validation loss every 10 steps, a
+# weight matrix every 5 and a dict of activations; steps given as the loop's own.
+# (Names given: a script run with -c has no source to name them from.)
+JOB = """
+    import numpy as np, thing
+    rng = np.random.default_rng(int(__import__("os").environ.get("SEED", "0")))
+    w = np.zeros((16, 4), np.float32)
+    handle = None
+    for step in range(1, 41):
+        loss = np.float32(1.0 / step + 0.01 * rng.standard_normal())
+        if step == 30:
+            loss = np.float32("nan")
+        handle = thing.catch(loss, name="loss", step=step)
+        if step % 10 == 0:
+            val_loss = 1.5 / step
+            thing.catch(val_loss, name="val_loss", step=step)
+        w += rng.standard_normal(w.shape).astype(np.float32)
+        thing.catch(w, name="w", every=5, copy=True, step=step)
+        thing.catch({"h": w[:2]}, name="activations", every=20)
+    assert handle.wait(20) and thing.catch(0, name="done").wait(20)
+"""
+
+
+def expected_loss(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """What the job catches as ``loss``, worked out here the same way."""
+    rng = np.random.default_rng(seed)
+    w = np.zeros((16, 4), np.float32)
+    losses, weights = [], []
+    for step in range(1, 41):
+        loss = np.float32(1.0 / step + 0.01 * rng.standard_normal())
+        losses.append(np.float32("nan") if step == 30 else loss)
+        w += rng.standard_normal(w.shape).astype(np.float32)
+        if (step - 1) % 5 == 0:
+            weights.append(w.copy())
+    return np.array(losses, np.float32), np.array(weights)
+
+
+@pytest.fixture(scope="module")
+def history() -> Any:
+    """A server holding what the job sent (plus a second run, and two ranks of a third)."""
+    with thing.Server(port=0) as server:
+        run_script(JOB, port=server.port, THING_RUN="first")
+        yield server
+
+
+def line_data(fig: Any) -> list[list[tuple[str, np.ndarray, np.ndarray]]]:
+    """Per axes: (label, x, y) of each line that is a series (not a NaN marker)."""
+    return [[(line.get_label(), np.asarray(line.get_xdata(), float),
+              np.asarray(line.get_ydata(), float))
+             for line in axes.lines if not line.get_label().startswith("_")]
+            for axes in fig.axes]
+
+
+def assert_picture(png: bytes) -> None:
+    """A decodable PNG of a plot: mostly white, with drawn pixels."""
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    pixels = imread(io.BytesIO(png))
+    assert pixels.shape[0] >= 300 and pixels.shape[1] >= 600
+    drawn = (pixels[..., :3] < 0.9).any(axis=2).mean()
+    assert 0.01 < drawn < 0.5
+
+
+# -- what each kind of plot draws ---------------------------------------------------------
+
+
+def test_a_scalar_is_drawn_as_its_values_over_its_steps(history: thing.Server) -> None:
+    losses, _ = expected_loss()
+    drawing = chart(history.store, "loss")
+    fig = plot_drawing.figure(drawing)
+    assert len(fig.axes) == 1
+    [[(label, x, y)]] = line_data(fig)
+    assert label == "loss"
+    np.testing.assert_array_equal(x, np.arange(1, 41))
+    # Bit for bit the float32 values caught, NaN where the job's loss was NaN.
+    np.testing.assert_array_equal(y, losses.astype(np.float64))
+    assert fig.axes[0].get_xlabel().splitlines()[0] == "step"
+    assert fig.axes[0].get_ylabel() == "loss"
+    nan_markers = [line for line in fig.axes[0].lines if line.get_label().startswith("_")]
+    assert [line.get_xdata()[0] for line in nan_markers] == [30]  # marked, not a silent gap
+    assert any("NaN or Inf at 1 step(s), the first at step 30" in n for n in drawing.notes)
+    assert_picture(plot_drawing.png(drawing))
+
+
+def test_names_are_overlaid_on_their_own_steps(history: thing.Server) -> None:
+    fig = plot_drawing.figure(chart(history.store, ["loss", "val_loss"]))
+    [lines] = line_data(fig)
+    assert [label for label, _, _ in lines] == ["loss", "val_loss"]
+    np.testing.assert_array_equal(lines[1][1], [10, 20, 30, 40])
+    np.testing.assert_array_equal(lines[1][2], [1.5 / s for s in (10, 20, 30, 40)])
+    assert fig.axes[0].get_legend() is not None
+
+
+def test_an_array_is_drawn_as_its_norm_and_spread(history: thing.Server) -> None:
+    _, weights = expected_loss()
+    fig = plot_drawing.figure(chart(history.store, "w"))
+    assert [axes.get_ylabel() for axes in fig.axes] == ["L2 norm", "mean, ± std, min to max"]
+    (norm,), (mean,) = line_data(fig)
+    np.testing.assert_array_equal(norm[1], [1, 6, 11, 16, 21, 26, 31, 36])
+    flat = weights.reshape(len(weights), -1).astype(np.float64)
+    np.testing.assert_allclose(norm[2], np.linalg.norm(flat, axis=1), rtol=1e-12)
+    np.testing.assert_allclose(mean[2], flat.mean(axis=1), rtol=1e-9, atol=1e-12)
+    # Two shaded bands: ± std inside min to max.
+    bands = fig.axes[1].collections
+    assert len(bands) == 2
+    low, high = (np.asarray(bands[0].get_paths()[0].vertices[:, 1]).min(),
+                 np.asarray(bands[0].get_paths()[0].vertices[:, 1]).max())
+    assert low == pytest.approx(flat.min(axis=1).min()) and high == pytest.approx(flat.max())
+    assert_picture(plot_drawing.png(chart(history.store, "w")))
+
+
+def test_chosen_statistics_each_get_a_panel(history: thing.Server, tmp_path: Path) -> None:
+    _, weights = expected_loss()
+    fig = plot_drawing.figure(chart(history.store, "w", stat=["spectral", "max"]))
+    assert [axes.get_ylabel() for axes in fig.axes] == ["top singular value", "max"]
+    (spectral,), (most,) = line_data(fig)
+    np.testing.assert_allclose(spectral[2], [np.linalg.norm(w.astype(np.float64), 2)
+                                             for w in weights], rtol=1e-9)
+    np.testing.assert_array_equal(most[2], weights.reshape(len(weights), -1).max(axis=1))
+    history.plot("w", stat="norm", file=tmp_path / "w.png")
+    assert_picture((tmp_path / "w.png").read_bytes())
+    history.plot(["loss", "w"], file=tmp_path / "w.svg")  # the format from the suffix
+    assert (tmp_path / "w.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_a_histogram_counts_every_finite_value(history: thing.Server, tmp_path: Path) -> None:
+    _, weights = expected_loss()
+    newest = weights[-1].astype(np.float64).ravel()
+    drawing = histogram(history.store, "w", bins=12)
+    expected, edges = np.histogram(newest, 12, (newest.min(), newest.max()))
+    np.testing.assert_array_equal(drawing.counts, expected)
+    np.testing.assert_allclose(drawing.edges, edges)
+    assert drawing.title == "w at step 36: 64 values"
+    fig = plot_drawing.figure(drawing)
+    assert [round(bar.get_height()) for bar in fig.axes[0].patches] == expected.tolist()
+    older = histogram(history.store, "w", step=1, bins=5)
+    assert older.counts.sum() == 64 and older.title.startswith("w at step 1:")
+    history.hist("w", index=1, file=tmp_path / "h.png")
+    assert_picture((tmp_path / "h.png").read_bytes())
+
+
+def test_nan_and_inf_are_counted_apart_in_a_histogram(server: thing.Server) -> None:
+    run_script("""
+        import numpy as np, thing
+        x = np.array([1, 2, 2, 3, np.nan, np.inf, -np.inf], np.float32)
+        assert thing.catch(x, name="x").wait(10)
+        assert thing.catch(np.arange(-5, 5, dtype=np.int64), name="ints").wait(10)
+    """, port=server.port)
+    drawing = histogram(server.store, "x", bins=2)
+    assert drawing.counts.tolist() == [1, 3] and drawing.notes == ["3 NaN or Inf values left out"]
+    assert histogram(server.store, "ints", bins=10).counts.tolist() == [1] * 10
+
+
+def test_ranks_and_runs_get_a_line_each(server: thing.Server) -> None:
+    for rank in (0, 1):  # a 2-rank job: one run, as torchrun's ranks share their launch's
+        run_script(JOB, port=server.port, THING_RUN="ddp", RANK=str(rank), WORLD_SIZE="2",
+                   SEED=str(rank))
+    run_script(JOB, port=server.port, THING_RUN="restarted", SEED="7")
+    fig = plot_drawing.figure(chart(server.store, "loss"))  # the newest run only
+    assert [label for label, _, _ in line_data(fig)[0]] == ["loss"]
+    np.testing.assert_array_equal(line_data(fig)[0][0][2], expected_loss(7)[0])
+
+    fig = plot_drawing.figure(chart(server.store, "loss", run="ddp"))  # its ranks apart
+    lines = line_data(fig)[0]
+    assert [label for label, _, _ in lines] == ["loss rank 0", "loss rank 1"]
+    for rank, (_, steps, values) in enumerate(lines):
+        np.testing.assert_array_equal(steps, np.arange(1, 41))
+        np.testing.assert_array_equal(values, expected_loss(rank)[0])
+    same = line_data(plot_drawing.figure(chart(server.store, "loss", rank="all", run="ddp")))
+    assert [(label, x.tolist(), y[~np.isnan(y)].tolist()) for label, x, y in same[0]] == [
+        (label, x.tolist(), y[~np.isnan(y)].tolist()) for label, x, y in lines]
+    one = line_data(plot_drawing.figure(chart(server.store, "loss", rank=1, run="ddp")))
+    assert [label for label, _, _ in one[0]] == ["loss"]
+
+    everything = line_data(plot_drawing.figure(chart(server.store, "loss", run="all")))[0]
+    assert [label for label, _, _ in everything] == [
+        "loss run ddp rank 0", "loss run ddp rank 1", "loss run restarted"]
+
+
+def test_mistakes_are_refused_with_what_to_do(history: thing.Server) -> None:
+    with pytest.raises(thing.UnknownName, match="did you mean 'loss'"):
+        history.plot("los")
+    with pytest.raises(ValueError, match="stat must be 'auto' or some of 'value', 'norm'"):
+        history.plot("loss", stat="median")
+    with pytest.raises(ValueError, match="stat='value' draws single numbers, and w holds "
+                                         r"arrays \(float32 \(16, 4\)\); try stat='norm'"):
+        history.plot("w", stat="value")
+    with pytest.raises(ValueError, match=r"activations: nothing to plot \(dict of 1 "
+                                         r"holds no numbers\)"):
+        history.plot("activations")
+    with pytest.raises(ValueError, match="bins must be a whole number"):
+        history.hist("w", bins=0)
+    with pytest.raises(ValueError, match="rank must be a rank number, None or 'all'"):
+        history.plot("loss", rank="every")
+    with pytest.raises(ValueError, match="has no finite numbers"):
+        history.hist("loss", step=30)
+
+
+def test_status_shows_a_sparkline_per_name_of_single_numbers(history: thing.Server) -> None:
+    text = live.view(history.store, history.info(), 5, width=80).text(80)
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[1:8] if line.strip()}
+    assert rows["name"][1] == "last" and "w" not in rows and "activations" not in rows
+    losses, _ = expected_loss()
+    spark = rows["loss"][1]
+    assert len(spark) == 40 and spark[29] == "×"  # NaN at step 30
+    assert spark[0] == "█" and set(spark) <= set(plot_drawing.SPARK + "×")
+    assert rows["val_loss"][1] == "█▃▂▁" and rows["val_loss"][2] == "0.0375"
+    assert all(len(line) <= 80 for line in text.splitlines())
+
+
+# -- in a terminal, and without the libraries -----------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_the_terminal_plot_fits_80_by_24_and_redraws_live(history: thing.Server,
+                                                          tmp_path: Path) -> None:
+    pexpect = pytest.importorskip("pexpect")
+    history.save(tmp_path / "rec")
+    script = f"""
+        import thing
+        thing.load({str(tmp_path / "rec")!r})
+        thing.plot("loss")
+        print("DRAWN", flush=True)
+        server = thing.serve(port=0)
+        print("PORT", server.port, flush=True)
+        thing.wait("live_loss", timeout=30)
+        thing.plot("live_loss", live=True)
+        print("after live: running", server.running, flush=True)
+    """
+    child = pexpect.spawn(sys.executable, ["-c", textwrap.dedent(script)], env=script_env(),
+                          encoding="utf-8", timeout=30, dimensions=(24, 80))
+    try:
+        child.expect("DRAWN")
+        lines = ANSI.sub("", child.before).replace("\r", "").strip("\n").splitlines()
+        assert "\x1b[" in child.before  # coloured in a terminal
+        assert all(len(line) <= 80 for line in lines) and 16 <= len(lines) <= 23
+        assert lines[0].strip() == "loss" and lines[1].startswith("┌")
+        assert sum(bool(re.search(r"│ -?[\d.]+$", line)) for line in lines) >= 2  # y labels
+        bottom = next(i for i, line in enumerate(lines) if line.startswith("└"))
+        assert len(re.findall(r"\d+", lines[bottom + 1])) >= 3  # x labels
+        assert "x: step" in lines and lines[-1].startswith("loss: NaN or Inf at 1 step(s)")
+
+        child.expect(r"PORT (\d+)")
+        port = int(child.match.group(1))
+        for step in (1, 2, 3):
+            run_script(f"import thing\nassert thing.catch({step * 1.5}, name='live_loss', "
+                       f"step={step}).wait(10)", port=port)
+            if step == 1:
+                child.expect("press Ctrl\\+C to stop")
+            child.expect("live_loss")  # drawn, then redrawn with each new capture
+        child.sendintr()
+        child.expect("after live: running True")
+    finally:
+        child.close(force=True)
+
+
+def test_without_the_plotting_libraries_everything_still_works(history: thing.Server,
+                                                               tmp_path: Path) -> None:
+    history.save(tmp_path / "rec")
+    out = run_script(f"""
+        import sys
+        for blocked in ("matplotlib", "uniplot", "pandas"):
+            sys.modules[blocked] = None  # import fails, as where it is not installed
+        import thing
+        thing.load({str(tmp_path / "rec")!r})
+        thing.plot("loss")
+        thing.plot(["w", "val_loss"])
+        thing.hist("w", bins=4)
+        table = thing.stats("val_loss")
+        print(type(table).__name__, table.to_dict()["step"])
+        try:
+            thing.plot("loss", file="x.png")
+        except thing.ThingError as exc:
+            print("refused:", exc)
+    """, COLUMNS="100")
+    lines = out.splitlines()
+    assert sum(line.startswith("pip install 'thing[plot]' draws plots") for line in lines) == 1
+    assert sum("pandas is not installed" in line for line in lines) == 1
+    spark = next(line for line in lines if line.startswith("loss  "))
+    assert "×" in spark and "last 0.0" in spark
+    assert any(line.startswith("w L2 norm  ") for line in lines)
+    assert any(line.startswith("val_loss  ") and "min 0.0375, max 0.15" in line
+               for line in lines)
+    assert sum(line.count("█") for line in lines if line.startswith(" ")) > 0  # the bars
+    assert "StatsTable [10, 20, 30, 40]" in lines
+    assert any(line.startswith("refused: drawing a picture needs matplotlib: pip install")
+               for line in lines)
+
+
+def test_the_plot_functions_are_in_help_and_load_nothing_until_used() -> None:
+    out = run_script("""
+        import sys, thing
+        print(callable(thing.plot), callable(thing.hist))
+        print(sorted(m for m in ("matplotlib", "uniplot") if m in sys.modules))
+    """)
+    assert out.splitlines() == ["True True", "[]"]
+
+
+def test_piped_output_is_plain_text(history: thing.Server, tmp_path: Path) -> None:
+    history.save(tmp_path / "rec")
+    result = subprocess.run(
+        [sys.executable, "-c", f"import thing\nthing.load({str(tmp_path / 'rec')!r})\n"
+                               "thing.plot('w')\nthing.plot('loss', live=True)"],
+        env=script_env(), capture_output=True, text=True, timeout=60,
+        stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "\x1b[" not in result.stdout and all(len(line) <= 80 for line in lines)
+    assert "w: L2 norm" in result.stdout and "w: mean, ± std, min to max" in result.stdout
+    assert "(live plots redraw in a terminal or a notebook; this output is not one)" in lines
+    assert len(lines) <= 2 * 24 + 2  # each plot fits a screen
