@@ -10,7 +10,9 @@ JSON line each:
   ``pattern(count)``;
 - ``touch <name>``: read one byte of every page of that capture, as a user of
   the array would (a mapped array costs memory only once it is read);
-- ``clear``: forget every capture and spare receive buffer.
+- ``clear``: forget every capture and spare receive buffer;
+- ``request <name> <count>``: ``server.request(name, count)``, then the seconds
+  from that call to the arrival of the first capture it brought.
 
 It exits when stdin closes.
 """
@@ -25,6 +27,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -264,6 +267,14 @@ def _answer(server: Any, words: list[str]) -> dict[str, Any]:
         dropped = server.clear()
         server.buffers.clear()
         return {"dropped": dropped}
+    if words[0] == "request":
+        name, after = words[1], server.store.received - 1
+        asked = time.time()
+        server.request(name, int(words[2]))
+        server.store.wait(name, timeout=10, after=after)
+        arrived = min(capture.received_at for capture in server.store.get_all(name, run="all")
+                      if capture.id > after)
+        return {"delay": arrived - asked}
     return {"error": f"unknown command {words[0]!r}"}
 
 

@@ -110,7 +110,7 @@ def test_a_scalar_is_drawn_as_its_values_over_its_steps(history: thing.Server) -
     assert fig.axes[0].get_ylabel() == "loss"
     nan_markers = [line for line in fig.axes[0].lines if line.get_label().startswith("_")]
     assert [line.get_xdata()[0] for line in nan_markers] == [30]  # marked, not a silent gap
-    assert any("NaN or Inf at 1 step(s), the first at step 30" in n for n in drawing.notes)
+    assert any("NaN or Inf in 1 of 40 captures, the first at step 30" in n for n in drawing.notes)
     assert_picture(plot_drawing.png(drawing))
 
 
@@ -270,7 +270,7 @@ def test_the_terminal_plot_fits_80_by_24_and_redraws_live(history: thing.Server,
         assert sum(bool(re.search(r"│ -?[\d.]+$", line)) for line in lines) >= 2  # y labels
         bottom = next(i for i, line in enumerate(lines) if line.startswith("└"))
         assert len(re.findall(r"\d+", lines[bottom + 1])) >= 3  # x labels
-        assert "x: step" in lines and lines[-1].startswith("loss: NaN or Inf at 1 step(s)")
+        assert "x: step" in lines and lines[-1].startswith("loss: NaN or Inf in 1 of 40 captures")
 
         child.expect(r"PORT (\d+)")
         port = int(child.match.group(1))
@@ -341,3 +341,77 @@ def test_piped_output_is_plain_text(history: thing.Server, tmp_path: Path) -> No
     assert "w: L2 norm" in result.stdout and "w: mean, ± std, min to max" in result.stdout
     assert "(live plots redraw in a terminal or a notebook; this output is not one)" in lines
     assert len(lines) <= 2 * 24 + 2  # each plot fits a screen
+
+
+# -- what a careless plot would hide or choke on --------------------------------------------
+
+
+HARD_CASES = """
+    import numpy as np, thing
+    send = lambda value, name, step: thing.catch(value, name=name, step=step)
+    for step, value in enumerate(([1.0, 2.0, 3.0], [1.0, np.nan, 3.0], [1.0, 2.0, 3.0]), 1):
+        send(np.array(value), "grad", step)
+    for step, value in enumerate([1.0] * 10 + [0.5] * 10 + [0.05] * 10, 1):
+        send(value, "plateaus", step)
+    for step in range(3):
+        send(1.0, "far", 10**17 + step)
+        send(1e308 * (-1) ** step, "huge", step)
+    send(np.full(10, 1e17), "flat", 1)
+    send(np.array([[1, 1j], [1j, 1]]), "complex", 1)
+    for name in ("a$\\\\foo$", "_loss"):
+        send(1.0, name, 1)
+        send(2.0, name, 2)
+    assert thing.catch(0, name="done").wait(20)
+"""
+
+
+def test_hard_cases_are_drawn_truthfully_or_said(server: thing.Server) -> None:
+    run_script(HARD_CASES, port=server.port)
+    store = server.store
+    # A NaN inside an array: its statistics are over the finite values, so it is marked.
+    grad = chart(store, "grad")
+    assert grad.panels[0].series[0].non_finite.tolist() == [2]
+    assert grad.notes == ["grad: NaN or Inf in 1 of 3 captures, the first at step 2 "
+                          "(their statistics are over the finite values)"]
+    # The y labels are thing's, in full: uniplot's own would print 0.5 as "0".
+    plateaus = plot_drawing.text(chart(store, "plateaus"), 80, 16).splitlines()
+    marks = [line.rsplit("│ ", 1)[1] for line in plateaus if re.search(r"│ [\d.]+$", line)]
+    assert marks == ["1", "0.525", "0.05"]
+    # Ranges uniplot cannot scale fall back to sparklines rather than failing.
+    for name in ("far", "huge"):
+        drawn = plot_drawing.text(chart(store, name), 80, 24).splitlines()
+        assert drawn[0].strip().startswith(name) and max(map(len, drawn)) <= 80
+    assert histogram(store, "flat").counts.sum() == 10
+    assert plot_drawing.sparkline(np.array([-1e308, 1e308]), 4) == "▁█"
+    assert plot_drawing.sparkline(np.array([0, 1e-320, np.inf]), 4)[-1] == "×"
+    # A complex matrix keeps its phases: the top singular value of A, not of |A|.
+    [spectral] = line_data(plot_drawing.figure(chart(store, "complex", stat="spectral")))[0]
+    assert spectral[2].tolist() == pytest.approx(
+        [np.linalg.norm(np.array([[1, 1j], [1j, 1]]), 2)])
+    # Names are peers' text: no mathtext, and "_" does not hide a line from the legend.
+    assert_picture(plot_drawing.png(chart(store, "a$\\foo$")))
+    legend = plot_drawing.figure(chart(store, ["_loss", "a$\\foo$"])).axes[0].get_legend()
+    assert [t.get_text().lstrip("\u200b") for t in legend.get_texts()] == ["_loss", "a$\\foo$"]
+    with pytest.raises(ValueError, match="pick one"):
+        server.plot("grad", live=True, file="x.png")
+
+
+def test_a_live_plot_outlives_its_name_being_cleared(server: thing.Server) -> None:
+    run_script("import thing\nassert thing.catch(1.0, name='loss').wait(10)", port=server.port)
+    assert plot_drawing._redrawn(lambda: chart(server.store, "loss")) is not None
+    server.clear("loss")
+    assert plot_drawing._redrawn(lambda: chart(server.store, "loss")) is None  # kept, waits
+
+
+def test_status_sparklines_keep_ranks_apart(server: thing.Server) -> None:
+    for rank, base in ((0, 0), (1, 100)):
+        run_script(f"""
+            import thing
+            for step in range(1, 11):
+                handle = thing.catch(float({base} + step), name="loss", step=step)
+            assert handle.wait(10)
+        """, port=server.port, RANK=str(rank), WORLD_SIZE="2")
+    text = live.view(server.store, server.info(), 5, width=80).text(80)
+    [row] = [line for line in text.splitlines() if line.startswith("loss")]
+    assert row.split()[:3] == ["loss", "rank", "1"] and row.split()[-1] == "110"
+    assert row.split()[3] == "▁▂▃▃▄▅▆▆▇█"  # rank 1's ten values alone, no zigzag

@@ -36,14 +36,21 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .repl import (
+        available,
         clear,
         describe,
+        every,
+        first,
         get,
         get_all,
         hist,
         ingest_all,
         load,
+        pause,
         plot,
+        request,
+        reset,
+        resume,
         runs,
         save,
         serve,
@@ -61,7 +68,8 @@ if TYPE_CHECKING:
 _ON_FIRST_USE = {
     **dict.fromkeys(("serve", "get", "get_all", "wait", "clear", "ingest_all", "summary",
                      "describe", "status", "help", "save", "load", "runs", "stats", "plot",
-                     "hist"), "repl"),
+                     "hist", "request", "every", "first", "pause", "resume", "reset",
+                     "available"), "repl"),
     "Server": "server",
     "Capture": "store",
     "HistoryStore": "store",
@@ -103,15 +111,22 @@ __all__ = [
     "ThingError",
     "UnknownName",
     "UnsupportedType",
+    "available",
     "catch",
     "clear",
     "describe",
+    "every",
+    "first",
     "get",
     "get_all",
     "hist",
     "ingest_all",
     "load",
+    "pause",
     "plot",
+    "request",
+    "reset",
+    "resume",
     "runs",
     "save",
     "serve",
@@ -135,6 +150,7 @@ def catch(
     copy: bool | None = None,
     block: bool = False,
     step: int | None = None,
+    on_demand: bool = False,
 ) -> CaptureHandle:
     """Send ``obj`` to the thing server without disturbing the caller.
 
@@ -150,7 +166,10 @@ def catch(
     copies every array now, ``copy=False`` none. ``block=True`` waits for
     room instead of dropping when the queue is full. ``step=global_step`` is
     the step the REPL shows and plots (default: the call number of the name,
-    1 for its first call). Returns a handle whose ``wait()`` is True once the
+    1 for its first call). ``on_demand=True`` sends nothing until the REPL
+    asks with ``thing.request(name, count)``. The REPL may change what is
+    sent (``thing.every``, ``first``, ``pause``, ``resume``, ``reset``);
+    ``THING_CONTROL=0`` refuses that. Returns a handle whose ``wait()`` is True once the
     server stored it; ``error`` says why not.
     """
     client = _default_client or _make_default_client()
@@ -163,6 +182,7 @@ def catch(
         copy=copy,
         block=block,
         step=step,
+        on_demand=on_demand,
         _frame=sys._getframe(1),
     )
 

@@ -115,14 +115,20 @@ def value_histogram(value: Any, spec: LeafSpec | None, bins: int, low: float, hi
     to_float = None if flat is None else _float_converter(flat, spec)
     if to_float is None:
         return None
-    if not low < high:  # every value the same: one bin around it
-        low, high = low - 0.5, high + 0.5
+    if not low < high:  # every value the same: one bin around it, wide enough to exist
+        spread = max(abs(low) * 1e-6, 0.5)
+        low, high = low - spread, high + spread
+    # Halved, then doubled: from -1e308 to 1e308 the width itself would overflow.
+    edges = 2 * np.linspace(low / 2, high / 2, bins + 1)
     counts = np.zeros(bins, np.int64)
     with np.errstate(all="ignore"):
         for start in range(0, _size(flat), STATS_CHUNK):
             x = to_float(_chunk(flat, start, start + STATS_CHUNK))
-            counts += np.histogram(x[np.isfinite(x)], bins, (low, high))[0]
-    return counts, np.linspace(low, high, bins + 1)
+            x = x[np.isfinite(x)]
+            # The last edge belongs to the last bin; rounding may not put min and max inside.
+            index = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, bins - 1)
+            counts += np.bincount(index, minlength=bins)
+    return counts, edges
 
 
 def as_float64(array: np.ndarray, spec: LeafSpec) -> np.ndarray | None:

@@ -30,6 +30,7 @@ from .arrays import leaf_bytes, torn
 from .errors import HandshakeError, ProtocolError
 from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle
 from .names import CallSite
+from .overrides import Overrides
 from .sockets import (
     connect,
     connect_unix,
@@ -86,10 +87,13 @@ class Pending(NamedTuple):
     caught_at: float
     rank: tuple[int | None, int | None]  # (rank, world size) at the call
     handle: CaptureHandle
-    # For a notice of a capture that could not be sent: {"type": ..., "reason": ...}.
-    unsent: dict[str, str] | None = None
+    # A notice, not a capture: its meta entry, {"unsent": {"type": ..., "reason": ...}} for
+    # a capture that could not be sent, {"on_demand": {"type": ..., ...}} for a name that
+    # is sent only when the REPL asks.
+    notice: dict[str, Any] | None = None
     call: int = 0  # the call number of its name (0: not counted)
     step: int | None = None  # the step the caller gave
+    requested: bool = False  # sent because the REPL asked for it (thing.request)
 
 
 # A capture that ended: (pending, capture id if stored, error, reason it counts under).
@@ -145,9 +149,11 @@ class SendQueue:
 class Channel:
     """The connection to one server: its queue, sender thread and acknowledgement reader."""
 
-    def __init__(self, address: tuple[str, int], queue: SendQueue, token: str | None):
+    def __init__(self, address: tuple[str, int], queue: SendQueue, token: str | None,
+                 overrides: Overrides):
         self.address = address
         self.token = token
+        self.overrides = overrides
         self._room = queue
         self._lock = queue.lock
         self._mutex = queue.mutex
@@ -158,6 +164,9 @@ class Channel:
         self._sock: socket.socket | None = None
         self._notices = False  # whether the server takes notices of unsent captures
         self._told: set[tuple[str | None, str]] = set()  # notices sent on this connection
+        self._steered = False  # whether the server may steer us (and takes announcements)
+        # On-demand names and what they look like, told again on every new connection.
+        self._on_demand: dict[str | None, Pending] = {}
         self._headers: dict[tuple[Any, ...], bytes] = {}  # see _header
         self._lost = False  # the reader saw the connection end; the sender must reconnect
         self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
@@ -180,13 +189,33 @@ class Channel:
 
     def enqueue(self, name: str | None, obj: Any, site: CallSite | None,
                 rank: tuple[int | None, int | None], block: bool, copy: bool | None,
-                snapshot_bytes: int, call: int = 0, step: int | None = None) -> CaptureHandle:
+                snapshot_bytes: int, call: int = 0, step: int | None = None,
+                requested: bool = False) -> CaptureHandle:
         """Queue a capture of ``obj``: taken apart, room taken, then snapshotted where it must
         be (a full queue costs no copy). Raises :class:`UnsupportedType` for what cannot travel."""
         caught_at = time.time()
         pending = Pending(name, wire.take_apart(obj), site, caught_at, rank, CaptureHandle(name),
-                          None, call, step)
+                          None, call, step, requested)
         return self._enqueue(pending, block, copy, snapshot_bytes)
+
+    def announce(self, name: str | None, site: CallSite | None,
+                 rank: tuple[int | None, int | None], obj: Any) -> None:
+        """Tell the server (no data) that ``name`` is caught on demand: its type, shape and
+        dtype, so the REPL sees what it may ask for; told again on each new connection."""
+        notice = Pending(name, wire.Payload(None, [], 0), site, time.time(), rank,
+                         CaptureHandle(name), {"on_demand": _looks(obj)})
+        with self._mutex:
+            if name not in self._on_demand and len(self._on_demand) >= MAX_TOLD:
+                return
+            self._on_demand[name] = notice
+        self._enqueue(notice, False, False, 0)
+
+    def _announce_again(self) -> None:
+        """A new connection: tell its server the on-demand names told to the last one."""
+        with self._mutex:
+            notices = list(self._on_demand.values())
+        for notice in notices:
+            self._enqueue(notice._replace(handle=CaptureHandle(notice.name)), False, False, 0)
 
     def tell_unsent(self, name: str | None, site: CallSite | None,
                     rank: tuple[int | None, int | None], obj: Any, reason: str) -> None:
@@ -202,7 +231,8 @@ class Channel:
             if (name, reason) in told or len(told) >= MAX_TOLD:
                 return
         notice = Pending(name, wire.Payload(None, [], 0), site, time.time(), rank,
-                         CaptureHandle(name), {"type": wire.type_name(obj), "reason": reason})
+                         CaptureHandle(name),
+                         {"unsent": {"type": wire.type_name(obj), "reason": reason}})
         if self._enqueue(notice, False, False, 0) is notice.handle:
             with self._mutex:
                 told.add((name, reason))
@@ -230,7 +260,8 @@ class Channel:
             self._queue.append(pending)
             # A small capture joining others needs no wake-up: the sender is already
             # gathering them (see _gather), and waking it costs the training loop more.
-            if len(self._queue) == 1 or nbytes >= SMALL_BYTES or len(self._queue) >= BATCH:
+            if (len(self._queue) == 1 or nbytes >= SMALL_BYTES or len(self._queue) >= BATCH
+                    or pending.requested):
                 self._lock.notify_all()
         return pending.handle
 
@@ -262,6 +293,7 @@ class Channel:
                                    "unexpected error connecting to %s:%d", *self.address,
                                    exc_info=True)
                 self._set_down(exc)
+                self.overrides.expire()
                 with self._mutex:
                     if not self._closed:
                         self._lock.wait(delay)
@@ -274,6 +306,8 @@ class Channel:
         """Send on one connection until it ends or the channel closes; then settle the in-flight."""
         with self._mutex:
             self._sock, self.down, self._lost = sock, False, False
+        self.overrides.connected(id(self))
+        self._announce_again()
         reader = threading.Thread(
             target=self._read_acks, args=(sock, mac), daemon=True,
             name=f"thing-acks-{self.address[0]}:{self.address[1]}",
@@ -299,6 +333,7 @@ class Channel:
             sock.close()
             with self._mutex:
                 self._sock = None
+            self.overrides.disconnected(id(self))
             if self._closed:
                 self._fail_inflight("closed", _CLOSED_IN_FLIGHT)
             else:
@@ -369,7 +404,8 @@ class Channel:
         """Greet the server; with a token, each side proves it. Returns the session's MAC."""
         host, port = self.address
         client_nonce = auth.new_nonce()
-        hello = {**_identity(), "nonce": client_nonce, "shared_memory": shared_memory}
+        hello = {**_identity(), "nonce": client_nonce, "shared_memory": shared_memory,
+                 "control": self.overrides.enabled}
         send_buffers(sock, [wire.encode_handshake(hello)])
         status, info = wire.recv_handshake(sock)
         mac = None
@@ -393,6 +429,7 @@ class Channel:
         if status == wire.HANDSHAKE_OK:
             with self._mutex:
                 self._notices, self._told = info.get("notices") is True, set()
+                self._steered = info.get("control") is True
         if status != wire.HANDSHAKE_OK:
             error = wire.printable(str(info.get("error", "?")))
             if token is None and "token" in error:
@@ -411,7 +448,7 @@ class Channel:
         for pending in dropped:
             self._room.give_back(pending.payload.nbytes)
         # A notice is not a capture: the capture it is about was counted as "failed".
-        captures = sum(pending.unsent is None for pending in dropped)
+        captures = sum(pending.notice is None for pending in dropped)
         if captures:
             self._room.undelivered[reason] += captures
         return dropped
@@ -454,14 +491,15 @@ class Channel:
 
         A loop that catches a scalar every step then costs the sender one
         wake-up per batch instead of one per capture; a large capture, a long
-        queue or closing ends the wait at once.
+        queue, one the REPL is waiting for (requested) or closing ends the wait at once.
         """
         deadline = time.monotonic() + GATHER_SECONDS
         while (
             not self._closed
             and not self._lost
             and len(self._queue) < BATCH
-            and all(pending.payload.nbytes < SMALL_BYTES for pending in self._queue)
+            and all(pending.payload.nbytes < SMALL_BYTES and not pending.requested
+                    for pending in self._queue)
         ):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -489,7 +527,8 @@ class Channel:
                     else SMALL_BYTES)
         for seq, pending in batch:
             payload = pending.payload
-            if pending.unsent is not None and not self._notices:
+            if pending.notice is not None and not (
+                    self._steered if "on_demand" in pending.notice else self._notices):
                 self._finish(seq, None, "not sent: this server takes no notices", None)
                 continue
             if payload.nbytes >= alone or any(leaf.version is not None
@@ -528,9 +567,10 @@ class Channel:
         """A capture's header: for a single array, the one encoded for the same name,
         layout, call site and rank before (only the prefix changes from call to call)."""
         payload = pending.payload
-        if payload.tree is not wire.SINGLE_LEAF or pending.unsent is not None:
+        if payload.tree is not wire.SINGLE_LEAF or pending.notice is not None:
             return wire.encode_header(pending.name, payload, _meta(pending, undelivered))
-        key = (pending.name, payload.leaves[0].spec, pending.site, pending.rank, undelivered)
+        key = (pending.name, payload.leaves[0].spec, pending.site, pending.rank, undelivered,
+               pending.requested)
         header = self._headers.get(key)
         if header is None:
             if len(self._headers) >= MAX_KEPT_HEADERS:
@@ -590,16 +630,24 @@ class Channel:
 
     def _read_acks(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
         # Acks of frames sent together arrive together: one receive takes them all, and
-        # they are settled together.
+        # they are settled together. Control messages among them steer the client.
         stream = StreamReader(sock)
         try:
             while True:
-                acks = [_read_ack(stream, mac)]
+                acks: list[tuple[int, int, int, bytes]] = []
                 try:
-                    while stream.buffered >= wire.ACK.size and len(acks) < SETTLE_BATCH:
-                        acks.append(_read_ack(stream, mac))
+                    while not acks or (stream.buffered >= wire.ACK.size
+                                       and len(acks) < SETTLE_BATCH):
+                        message = self._next_message(stream, mac)
+                        if isinstance(message, wire.ControlMessage):
+                            self.overrides.apply(message)
+                            if not stream.buffered:
+                                break
+                        elif message is not None:
+                            acks.append(message)
                 finally:  # those read whole count, even if the next is cut off or bad
-                    self._settle(acks)
+                    if acks:
+                        self._settle(acks)
         except Exception as exc:  # the connection ended or broke its promise: reconnect
             if not isinstance(exc, (OSError, ProtocolError)):
                 self._log_once("acks", logging.ERROR, "unexpected error reading "
@@ -610,6 +658,18 @@ class Channel:
             with self._mutex:  # or if it is waiting for the next capture
                 self._lost = True
                 self._lock.notify_all()
+
+    def _next_message(self, stream: StreamReader, mac: auth.SessionMac | None
+                      ) -> tuple[int, int, int, bytes] | wire.ControlMessage | None:
+        """The server's next message; None for a control message outside the fixed set,
+        which is ignored (and logged once)."""
+        try:
+            return read_server_message(stream, mac)
+        except wire.BadControl as exc:
+            self._log_once(f"control:{exc}", logging.WARNING,
+                           "thing server at %s:%d: ignored a control message: %s",
+                           *self.address, exc)
+            return None
 
     def _settle(self, acks: list[tuple[int, int, int, bytes]]) -> None:
         """Resolve the handles of acknowledged frames, in order; ProtocolError (after
@@ -664,7 +724,7 @@ class Channel:
             return
         room = self._room
         for pending, capture_id, _, reason in finished:
-            if pending.unsent is not None:
+            if pending.notice is not None:
                 continue
             if capture_id is not None:
                 room.stored += 1
@@ -687,10 +747,22 @@ def _resolve(finished: list[Finished]) -> None:
             log.debug("capture %r not stored: %s", pending.name, error)
 
 
-def _read_ack(stream: StreamReader, mac: auth.SessionMac | None
-              ) -> tuple[int, int, int, bytes]:
-    """One acknowledgement: ``(status, seq, capture_id, message)``, its signature checked."""
+def read_server_message(stream: StreamReader, mac: auth.SessionMac | None
+                        ) -> tuple[int, int, int, bytes] | wire.ControlMessage:
+    """The server's next message, its signature checked: an acknowledgement ``(status, seq,
+    capture_id, message)`` or a control message. Raises BadControl for a control message
+    outside the fixed set (read whole: the stream stays in step), ProtocolError for
+    anything that breaks the stream or its signatures."""
     prefix = stream.read(wire.ACK.size)
+    if prefix[:2] == wire.CONTROL_TAG:
+        length = wire.CONTROL.unpack(prefix)[2]
+        if length > wire.MAX_CONTROL_NAME:
+            raise ProtocolError(f"a control message with a name of {length} bytes")
+        raw_name = stream.read(length) if length else b""
+        if mac is not None and not mac.check(stream.read(auth.MAC_BYTES), prefix, raw_name):
+            raise ProtocolError("a control message's signature does not match: it did not "
+                                "come from the server that proved the token")
+        return wire.decode_control(prefix, raw_name)
     status, length, seq, capture_id = wire.decode_ack(prefix)
     message = stream.read(length) if length else b""
     if mac is not None and not mac.check(stream.read(auth.MAC_BYTES), prefix, message):
@@ -716,9 +788,27 @@ def _meta(pending: Pending, undelivered: Undelivered) -> dict[str, Any]:
         meta["rank"], meta["world_size"] = rank, world_size
     if undelivered:
         meta["undelivered"] = dict(undelivered)
-    if pending.unsent is not None:
-        meta["unsent"] = pending.unsent
+    if pending.notice is not None:
+        meta.update(pending.notice)
+    if pending.requested:
+        meta["requested"] = True
     return meta
+
+
+def _looks(obj: Any) -> dict[str, Any]:
+    """What a capture of ``obj`` would be, without touching its data: its type, and its
+    shape and dtype when it has them."""
+    looks: dict[str, Any] = {"type": wire.type_name(obj)}
+    try:
+        shape = getattr(obj, "shape", None)
+        if shape is not None:
+            looks["shape"] = [int(size) for size in shape]
+        dtype = getattr(obj, "dtype", None)
+        if dtype is not None:
+            looks["dtype"] = str(dtype).rpartition(".")[2][:40]
+    except (TypeError, ValueError):  # a shape that is not one: the type says enough
+        looks.pop("shape", None)
+    return looks
 
 
 def _identity() -> dict[str, Any]:

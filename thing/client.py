@@ -57,6 +57,11 @@ class _Throttle:
         self.sent += 1
         return call + 1
 
+    def count(self) -> int:
+        """Count a call whatever the throttles say; its number (from 1)."""
+        self.calls += 1
+        return self.calls
+
 
 def _step_of(step: Any) -> int:
     """``step=`` as the int the wire carries (numpy and torch integers too)."""
@@ -123,6 +128,8 @@ class Client:
     ``snapshot_bytes`` (``THING_SNAPSHOT_BYTES``, 64 KiB) is the largest array
     copied at the call by default. ``token`` (default ``THING_TOKEN``, else
     the local server's token file) answers a server that requires one.
+    ``control=False`` (default: ``THING_CONTROL``, on) ignores the REPL's
+    steering (``thing.every``, ``thing.request``, ...).
     """
 
     def __init__(
@@ -134,7 +141,9 @@ class Client:
         max_queue_items: int | None = None,
         snapshot_bytes: int | None = None,
         token: str | None = None,
+        control: bool | None = None,
     ):
+        from .overrides import Overrides
         from .sockets import parse_address
 
         host, port = config.server_address()
@@ -150,6 +159,10 @@ class Client:
         self._throttles: OrderedDict[str | None, _Throttle] = OrderedDict()
         self._warned: set[str] = set()
         self._rank = _ProcessRank()
+        # What the REPL set (thing.every, thing.request, ...), kept across forks like the
+        # throttles it overrides.
+        self._overrides = Overrides(config.control() if control is None else control,
+                                    config.control_ttl(), lambda: self._rank.read()[0])
         self._start_afresh()
         self._closed = False
         _live_clients.add(self)
@@ -163,6 +176,7 @@ class Client:
 
         self._queue = SendQueue(self.max_queue_bytes, self.max_queue_items)
         self._lock = self._queue.lock
+        self._announced: set[str | None] = set()  # on-demand names told of, by this process
         # server= string -> channel, oldest first; several strings may share a channel.
         self._channels: OrderedDict[str | None, Channel] = OrderedDict()
 
@@ -177,6 +191,7 @@ class Client:
         copy: bool | None = None,
         block: bool = False,
         step: int | None = None,
+        on_demand: bool = False,
         _frame: Any = None,
     ) -> CaptureHandle:
         """Queue ``obj``: an array (numpy, torch incl. sparse, jax), a number, a string, bytes,
@@ -192,8 +207,13 @@ class Client:
         in a full queue instead of dropping. Every call of a name is numbered
         (from 1, throttled calls counted); ``step=`` (an int, e.g. the global
         step) is the step the REPL shows and plots instead of that number.
-        Never raises: the handle's ``wait()`` is False and its ``error`` says
-        why when not stored.
+        ``on_demand=True`` sends nothing (at the cost of a throttled call)
+        until the REPL asks with ``thing.request(name, count)``; the REPL
+        sees the name, its shape and dtype in ``thing.available()``. The REPL
+        may also change ``every``/``first`` or pause sending (``thing.every``,
+        ...; ``control=False`` or ``THING_CONTROL=0`` refuses). Never raises:
+        the handle's ``wait()`` is False and its ``error`` says why when not
+        stored.
         """
         site = None
         try:
@@ -204,7 +224,16 @@ class Client:
                 self._throttles.move_to_end(name)
             except KeyError:  # new, or forgotten by another thread just now
                 throttle = self._new_throttle(name)
-            call = throttle.admit(int(every), first)
+            if self._overrides.active:  # the REPL set something: see overrides.py
+                call, requested = self._overrides.admit(name, throttle, int(every), first,
+                                                        on_demand)
+            elif on_demand:  # nobody asked for it: counted, not sent
+                throttle.count()
+                call, requested = 0, False
+            else:
+                call, requested = throttle.admit(int(every), first), False
+            if on_demand and name not in self._announced:  # the REPL hears of it once
+                self._announce(server, name, site, obj, _frame)
             if not call:
                 return SKIPPED
             if step is not None:
@@ -219,7 +248,7 @@ class Client:
                     self._queue.undelivered["no server"] += 1
                 return NO_SERVER
             return channel.enqueue(name, obj, site, self._rank.read(), block, copy,
-                                   self.snapshot_bytes, call, step)
+                                   self.snapshot_bytes, call, step, requested)
         except Exception as exc:  # catch() must never raise into a training loop
             reason = (str(exc) if isinstance(exc, UnsupportedType)
                       else f"{type(exc).__name__}: {exc}")
@@ -229,6 +258,19 @@ class Client:
                 self._queue.undelivered["failed"] += 1
             self._tell_server(server, name, site, obj, reason)
             return CaptureHandle(name, f"not sent: {reason}")
+
+    def _announce(self, server: str | None, name: str | None, site: CallSite | None, obj: Any,
+                  frame: Any) -> None:
+        """Tell the server an on-demand name exists (at its first call here; no data)."""
+        if len(self._announced) >= self._max_names:
+            return
+        self._announced.add(name)
+        channel = self._channels.get(server) or self._open_channel(server)
+        if channel is None or not self._overrides.enabled:
+            return  # a job that refuses steering lists nothing that could never be asked for
+        if site is None:
+            site = self._names.site_for(frame or sys._getframe(2))
+        channel.announce(name, site, self._rank.read(), obj)
 
     def _tell_server(self, server: str | None, name: str | None, site: CallSite | None,
                      obj: Any, reason: str) -> None:
@@ -253,6 +295,7 @@ class Client:
     def _open_channel(self, server: str | None) -> Channel | None:
         """The channel for ``server=``, opened if need be; None once the client is closed."""
         from .channel import Channel
+        from .overrides import Overrides
         from .sockets import parse_address
 
         address = self.address if server is None else parse_address(server, self.address[1])
@@ -262,7 +305,10 @@ class Client:
             channel = next((c for c in self._channels.values() if c.address == address), None)
             if channel is None:
                 _deliver_at_process_end()
-                channel = Channel(address, self._queue, self.token)
+                # Only the default server steers: two REPLs would undo each other's settings.
+                channel = Channel(address, self._queue, self.token,
+                                  self._overrides if address == self.address
+                                  else Overrides(False, 0.0, lambda: None))
             self._channels[server] = channel
             evicted = []
             while len(self._channels) > config.max_servers():
@@ -371,6 +417,7 @@ def _after_fork_in_child() -> None:
         client._start_afresh()
         client._names.after_fork()
         client._rank.after_fork()
+        client._overrides.after_fork()
 
 
 atexit.register(_deliver_and_close)

@@ -106,6 +106,17 @@ def reconnect_interval() -> float:
     return _env_float("THING_RECONNECT_INTERVAL", 1.0)
 
 
+def control() -> bool:
+    """Whether a client follows the REPL's steering (``THING_CONTROL``, 1; 0 refuses all)."""
+    return _env_int("THING_CONTROL", 1) != 0
+
+
+def control_ttl() -> float:
+    """Seconds a client keeps the REPL's settings once no server connects
+    (``THING_CONTROL_TTL``, 600); then its own every=/first= apply again."""
+    return _env_float("THING_CONTROL_TTL", 600.0)
+
+
 def transport() -> str:
     """How a client reaches a server on this host (``THING_TRANSPORT``): auto, tcp, unix or shm.
 

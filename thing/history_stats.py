@@ -61,14 +61,19 @@ def _values_of(capture: Capture) -> Optional[ArrayStats]:
         if parts.specs[0].framework == "bytes":
             return None
         return array_stats(parts.arrays[0], parts.specs[0])
-    tree = parts.tree  # a number travels in the header, as itself or tagged
-    if parts.specs:
+    tree = parts.tree
+    if parts.specs or not is_header_number(tree):
         return None
     if isinstance(tree, (bool, int, float)):
         return array_stats(np.array(float(tree) if abs(tree) < 1e308 else math.inf))
-    if isinstance(tree, dict) and set(tree) <= {"nan", "complex"}:
-        return array_stats(np.array(capture.value))
-    return None
+    return array_stats(np.array(capture.value))
+
+
+def is_header_number(tree: Any) -> bool:
+    """Whether a capture's tree is a number that travelled in its header: as itself, or
+    tagged (a NaN's bits, a complex)."""
+    return isinstance(tree, (bool, int, float)) or (
+        isinstance(tree, dict) and bool(tree) and set(tree) <= {"nan", "complex"})
 
 
 def top_singular_value(capture: Capture) -> Optional[float]:
@@ -78,7 +83,10 @@ def top_singular_value(capture: Capture) -> Optional[float]:
     if known.spectral is None and known.values is not None:
         parts = capture.parts()
         if len(parts.specs) == 1 and len(parts.specs[0].shape) == 2 and parts.arrays[0].size:
-            matrix = as_float64(parts.arrays[0], parts.specs[0])
+            array = parts.arrays[0]
+            # A complex matrix keeps its phases: the norm of |A| is not the norm of A.
+            matrix = (array.astype(np.complex128) if array.dtype.kind == "c"
+                      else as_float64(array, parts.specs[0]))
             if matrix is None:
                 return None
             known.spectral = (float(np.linalg.norm(matrix, 2))
@@ -101,9 +109,9 @@ def capture_histogram(capture: Capture, bins: int) -> Optional[tuple[np.ndarray,
 
 
 def _power_iteration(matrix: np.ndarray, steps: int = 100) -> float:
-    vector = np.random.default_rng(0).standard_normal(matrix.shape[1])
+    vector = np.random.default_rng(0).standard_normal(matrix.shape[1]).astype(matrix.dtype)
     for _ in range(steps):
-        vector = matrix.T @ (matrix @ vector)
+        vector = matrix.conj().T @ (matrix @ vector)
         vector /= np.linalg.norm(vector) or 1.0
     return float(np.linalg.norm(matrix @ vector))
 

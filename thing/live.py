@@ -88,7 +88,8 @@ def view(store: HistoryStore, info: ServerInfo, rows: int, width: int | None = N
                   [] if recent else ["waiting for the first capture..."],
                   [("shrink", "value"), ("shrink", "sender"), ("drop", "sender"),
                    ("drop", "rank"), ("drop", "id"), ("shrink", "name")])
-    return Report(header, _sparkline_table(store, width), table)
+    steering = ("steering: " + "; ".join(map(str, info.steering))) if info.steering else ""
+    return Report(header, elide(steering, width), _sparkline_table(store, width), table)
 
 
 def _sparkline_table(store: HistoryStore, width: int, names: int = 5) -> Table | None:
@@ -101,10 +102,11 @@ def _sparkline_table(store: HistoryStore, width: int, names: int = 5) -> Table |
     columns = max(min(width - 34, 60), 8)
     rows = []
     for capture, _ in store.overview(4 * names).names:
-        values = recent_values(store, capture.name, columns)
-        if values is None or any(row[0] == capture.name for row in rows):
+        recent = recent_values(store, capture.name, columns)
+        if recent is None or any(row[0] == recent[0] for row in rows):
             continue
-        rows.append([capture.name, sparkline(values, columns), number(float(values[-1]))])
+        label, values = recent
+        rows.append([label, sparkline(values, columns), number(float(values[-1]))])
         if len(rows) == names:
             break
     if not rows:
@@ -167,7 +169,7 @@ class NotebookView:
             started = time.perf_counter()
             try:
                 shown = self._redraw()
-                if shown is not None:
+                if shown is not None and not self._stop.is_set():
                     self._handle.update(shown)
             except Exception:  # the server closed, or the kernel's display went away
                 log.debug("%s stopped updating", self._thread.name, exc_info=True)

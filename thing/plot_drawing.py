@@ -24,22 +24,26 @@ from __future__ import annotations
 
 import importlib
 import io
+import logging
 import os
 import shutil
 import sys
 import threading
+import warnings
 from typing import Any, Optional, Union
 
 import numpy as np
 
 from . import live
-from .display import in_notebook, say, say_once, terminal_width
+from .display import elide, in_notebook, say, say_once, terminal_width
 from .errors import ThingError
 from .plot_series import AUTO, DEFAULT_BINS, Chart, Histogram, Names, chart, histogram
 from .reports import number
 from .store import HistoryStore
 
 Drawing = Union[Chart, Histogram]
+
+log = logging.getLogger("thing")
 
 INSTALL_HINT = ("pip install 'thing[plot]' draws plots: matplotlib in Jupyter and for "
                 "file=, uniplot in a terminal")
@@ -59,6 +63,8 @@ def plot(store: HistoryStore, names: Names, stat: Union[str, list[str]] = AUTO,
     def draw() -> Chart:
         return chart(store, names, stat, rank, run)
 
+    if live and file is not None:
+        raise ValueError("live=True redraws where you look and file= writes once: pick one")
     drawn = draw()  # a wrong name or stat fails here, in the caller's cell
     if file is not None:
         _save(drawn, file)
@@ -118,6 +124,14 @@ def figure(drawing: Drawing) -> Any:
     step axis, or a histogram's bars. Raises ThingError without matplotlib."""
     if not _has("matplotlib"):
         raise ThingError(f"drawing a picture needs matplotlib: {INSTALL_HINT}")
+    from matplotlib import rc_context
+
+    # Names come from peers: "$x$" in one must not be parsed as mathtext (a bad one raises).
+    with rc_context({"text.parse_math": False}):
+        return _figure(drawing)
+
+
+def _figure(drawing: Drawing) -> Any:
     from matplotlib.figure import Figure
 
     if isinstance(drawing, Histogram):
@@ -135,7 +149,9 @@ def figure(drawing: Drawing) -> Any:
         alone = len(panel.series) == 1
         for series in panel.series:
             marker = "." if len(series.steps) <= 50 else None
-            (line,) = axes.plot(series.steps, series.values, marker=marker, label=series.label)
+            # A label starting with "_" would be left out of the legend: matplotlib's rule.
+            label = "\u200b" + series.label if series.label.startswith("_") else series.label
+            (line,) = axes.plot(series.steps, series.values, marker=marker, label=label)
             colour = line.get_color()
             if series.extent is not None:
                 axes.fill_between(series.steps, *series.extent, color=colour, alpha=0.12,
@@ -176,45 +192,81 @@ def _save(drawing: Drawing, file: Union[str, os.PathLike[str]]) -> None:
 
 def text(drawing: Drawing, width: int = 80, height: int = 24, color: bool = False) -> str:
     """``drawing`` as at most ``width`` columns and about ``height`` lines of text: uniplot's
-    braille plot, or sparklines where uniplot is missing (said once)."""
+    braille plot, or sparklines where uniplot is missing (said once) or cannot draw it."""
     if not _has("uniplot"):
         say_once(INSTALL_HINT)
         return _sparklines(drawing, width)
+    notes = [elide(note, width) for note in drawing.notes]
+    try:
+        if isinstance(drawing, Histogram):
+            # A staircase over the bin edges: each count held flat across its bin.
+            xs = np.repeat(drawing.edges, 2)[1:-1]
+            ys = np.repeat(drawing.counts, 2).astype(np.float64)
+            body = _uniplot([(drawing.title, xs, ys)], drawing.title, width,
+                            max(height - 6 - len(notes), 4), color)
+            return "\n".join([body, "x: value, y: count", *notes])
+        parts = []
+        plot_height = max((height - 2 - len(notes)) // len(drawing.panels) - 5, 4)
+        for panel in drawing.panels:
+            lines = []
+            for series in panel.series:
+                drawn = [(series.label, series.values)]
+                if len(panel.series) == 1:  # bands as their bounds; overlaid, only the lines
+                    if series.band is not None:
+                        drawn += [("+ std", series.band[1]), ("- std", series.band[0])]
+                    if series.extent is not None:
+                        drawn += [("max", series.extent[1]), ("min", series.extent[0])]
+                lines += [(label, series.steps, values) for label, values in drawn]
+            alone = len(drawing.panels) == 1 and panel.stat == "value"
+            title = drawing.title if alone else f"{drawing.title}: {panel.title}"
+            parts.append(_uniplot(lines, title, width, plot_height, color))
+        return "\n".join([*parts, "x: step", *notes])
+    except (OverflowError, ValueError, ZeroDivisionError):  # a range uniplot cannot scale
+        log.debug("uniplot could not draw %s", drawing.title, exc_info=True)
+        return _sparklines(drawing, width)
+
+
+def _uniplot(lines: list[tuple[str, np.ndarray, np.ndarray]], title: str, width: int,
+             height: int, color: bool) -> str:
+    """One boxed uniplot plot of ``(label, x, y)`` lines, its finite points only, with y
+    labels of thing's own at the right of its top, middle and bottom rows.
+
+    uniplot's own y labels are not used: it prints the shortest text that tells its
+    labels apart, so 0.5 next to 1 reads "0".
+    """
     from uniplot import plot_to_string
 
-    # uniplot adds a border on each side and the y labels on the right.
-    options = dict(width=max(width - 12, 10), lines=True, color=color, character_set="braille")
-    if isinstance(drawing, Histogram):
-        # A staircase over the bin edges: each count held flat across its bin.
-        xs, ys = np.repeat(drawing.edges, 2)[1:-1], np.repeat(drawing.counts, 2).astype(float)
-        plot_height = max(height - 6 - len(drawing.notes), 4)
-        body = plot_to_string(ys, xs, title=drawing.title, height=plot_height, **options)
-        return "\n".join([body, "x: value, y: count", *drawing.notes])
-    parts = []
-    plot_height = max((height - 2 - len(drawing.notes)) // len(drawing.panels) - 5, 4)
-    for panel in drawing.panels:
-        xs, ys, labels = [], [], []
-        for series in panel.series:
-            lines = [(series.label, series.values)]
-            if len(panel.series) == 1:  # bands as their bounds; overlaid, only the lines
-                if series.band is not None:
-                    lines += [("+ std", series.band[1]), ("- std", series.band[0])]
-                if series.extent is not None:
-                    lines += [("max", series.extent[1]), ("min", series.extent[0])]
-            for label, values in lines:
-                kept = np.isfinite(values)
-                if kept.any():
-                    xs.append(series.steps[kept])
-                    ys.append(values[kept])
-                    labels.append(label)
-        if not ys:
-            continue
-        alone = len(drawing.panels) == 1 and panel.stat == "value"
-        title = drawing.title if alone else f"{drawing.title}: {panel.title}"
-        parts.append(plot_to_string(ys, xs, title=title, height=plot_height,
-                                    legend_labels=labels if len(labels) > 1 else None,
-                                    **options))
-    return "\n".join([*parts, "x: step", *drawing.notes])
+    kept = [(label, x[np.isfinite(y)], y[np.isfinite(y)]) for label, x, y in lines]
+    kept = [line for line in kept if line[2].size]
+    if not kept:
+        return f"{title}: no finite values"
+    low, high = _span(np.concatenate([y for _, _, y in kept]))
+    x_low, x_high = _span(np.concatenate([x for _, x, _ in kept]))
+    marks = [number(high), number((low + high) / 2), number(low)]
+    room = max(len(mark) for mark in marks) + 1
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")  # its label search warns about ranges it then drops
+        body = plot_to_string(
+            [y for _, _, y in kept], [x for _, x, _ in kept], title=elide(title, width),
+            legend_labels=[label for label, _, _ in kept] if len(kept) > 1 else None,
+            width=max(width - 2 - room, 10), height=height, y_min=low, y_max=high,
+            x_min=x_low, x_max=x_high, y_labels=False, lines=True, color=color,
+            character_set="braille")
+    rows = body.splitlines()
+    top = next(i for i, row in enumerate(rows) if row.startswith("┌")) + 1
+    bottom = next(i for i, row in enumerate(rows) if row.startswith("└")) - 1
+    for row, mark in zip((top, (top + bottom) // 2, bottom), marks):
+        rows[row] += " " + mark
+    return "\n".join(rows)
+
+
+def _span(values: np.ndarray) -> tuple[float, float]:
+    """The lowest and highest of ``values``, apart: a flat line is drawn in the middle."""
+    low, high = float(values.min()), float(values.max())
+    if not low < high:
+        spread = max(abs(low) * 1e-3, 0.5)
+        low, high = low - spread, high + spread
+    return low, high
 
 
 def sparkline(values: np.ndarray, width: int) -> str:
@@ -224,10 +276,17 @@ def sparkline(values: np.ndarray, width: int) -> str:
     if not finite.size:
         return "×" * len(values)
     low, high = float(finite.min()), float(finite.max())
-    scale = (len(SPARK) - 1) / (high - low) if high > low else 0.0
-    middle = len(SPARK) // 2 if scale == 0 else 0
-    return "".join(SPARK[middle + int(round((v - low) * scale))] if np.isfinite(v) else "×"
-                   for v in values)
+    with np.errstate(all="ignore"):  # halved: from -1e308 to 1e308 the range overflows
+        position = (values / 2 - low / 2) / (high / 2 - low / 2) * (len(SPARK) - 1)
+    bars = []
+    for value, place in zip(values, position):
+        if not np.isfinite(value):
+            bars.append("×")
+        elif not np.isfinite(place):  # every value the same (or a range too small to divide)
+            bars.append(SPARK[len(SPARK) // 2])
+        else:
+            bars.append(SPARK[min(max(int(round(place)), 0), len(SPARK) - 1)])
+    return "".join(bars)
 
 
 def _sparklines(drawing: Drawing, width: int) -> str:
@@ -237,7 +296,7 @@ def _sparklines(drawing: Drawing, width: int) -> str:
         for low, count in zip(drawing.edges, drawing.counts):
             bar = "█" * int(round(count / most * max(width - 24, 5)))
             lines.append(f"{number(float(low)):>10} {bar} {count}")
-        return "\n".join([*lines, *drawing.notes])
+        return "\n".join([*lines, *(elide(note, width) for note in drawing.notes)])
     lines = [f"{drawing.title} over steps"]
     for panel in drawing.panels:
         for series in panel.series:
@@ -246,8 +305,9 @@ def _sparklines(drawing: Drawing, width: int) -> str:
                 f"{series.label} {'mean' if panel.stat == 'spread' else panel.title}"
             span = (f"last {number(float(finite[-1]))}, min {number(float(finite.min()))}, "
                     f"max {number(float(finite.max()))}") if finite.size else "no finite values"
-            lines.append(f"{label}  {sparkline(series.values, max(width - 40, 8))}  {span}")
-    return "\n".join([*lines, *drawing.notes])
+            lines.append(elide(f"{elide(label, 24, 'middle')}  "
+                               f"{sparkline(series.values, max(width - 60, 8))}  {span}", width))
+    return "\n".join([*lines, *(elide(note, width) for note in drawing.notes)])
 
 
 # -- live ----------------------------------------------------------------------------------
@@ -260,22 +320,43 @@ def _show_live(store: HistoryStore, drawn: Chart, draw: Any, key: tuple[Any, ...
 
         def redraw() -> Optional[Picture]:
             nonlocal shown
-            fresh = draw()
-            if fresh.key == shown:
+            fresh = _redrawn(draw)
+            if fresh is None or fresh.key == shown:
                 return None  # nothing it draws arrived
             shown = fresh.key
             return Picture(fresh)
 
+        key = (id(store), *key)
         with _live_lock:
             previous = _live_plots.pop(key, None)
             if previous is not None:
                 previous.stop()
+            for old in [old for old, view in _live_plots.items() if not view.running]:
+                del _live_plots[old]  # stopped: nothing of them, nor their store, is kept
             view = _live_plots[key] = live.NotebookView(
                 store, Picture(drawn), redraw, "thing-plot", LIVE_INTERVAL)
         return view
-    live.redraw_until_interrupted(
-        store, lambda: text(draw(), *_terminal_size(), color=_colour_terminal()), LIVE_INTERVAL)
+    last = text(drawn, *_terminal_size(), color=_colour_terminal())
+
+    def redraw_text() -> str:
+        nonlocal last
+        fresh = _redrawn(draw)
+        if fresh is not None:
+            last = text(fresh, *_terminal_size(), color=_colour_terminal())
+        return last
+
+    live.redraw_until_interrupted(store, redraw_text, LIVE_INTERVAL)
     return None
+
+
+def _redrawn(draw: Any) -> Optional[Chart]:
+    """The chart drawn again; None, keeping the last one shown, while there is nothing to
+    draw (the name cleared, a new run's first capture holding no numbers yet)."""
+    try:
+        return draw()
+    except (KeyError, ValueError) as exc:  # UnknownName is a KeyError
+        log.debug("live plot: nothing to draw now: %s", exc)
+        return None
 
 
 def _terminal_size() -> tuple[int, int]:

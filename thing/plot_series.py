@@ -15,12 +15,18 @@ plotting again, or live, reads no array twice. Nothing here draws:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import numpy as np
 
-from .history_stats import capture_histogram, capture_stats, top_singular_value
+from .history_stats import (
+    capture_histogram,
+    capture_stats,
+    is_header_number,
+    top_singular_value,
+)
 from .reports import is_container, kind
 from .store import ALL_RUNS, Capture, HistoryStore
 
@@ -48,8 +54,9 @@ class Series:
     """One line: ``values`` over ``steps`` (NaN where a capture has no such number).
 
     ``band`` (mean ± std) and ``extent`` (min to max) are drawn as shaded
-    ranges around it; ``non_finite`` are the steps whose single value was NaN
-    or Inf, marked apart rather than left as a silent gap.
+    ranges around it; ``non_finite`` are the steps of captures holding a NaN or
+    an Inf, marked apart rather than left as a silent gap (or hidden in
+    statistics over the finite values).
     """
 
     label: str
@@ -115,13 +122,14 @@ def chart(store: HistoryStore, names: Names, stat: Union[str, list[str]] = AUTO,
         for one in wanted:
             series = _series(label, one, captures)
             panels.setdefault(one, Panel(one, STAT_TITLES[one], [])).series.append(series)
-            left_out = int(np.isnan(series.values).sum()) - len(series.non_finite)
-            if left_out and one == wanted[0]:
-                notes.append(f"{label}: {left_out} of {len(captures)} captures have no "
-                             f"{STAT_TITLES[one]} (no numbers, or none finite)")
-            if len(series.non_finite):
-                notes.append(f"{label}: NaN or Inf at {len(series.non_finite)} step(s), the "
-                             f"first at step {_step_text(series.non_finite[0])}")
+        left_out = sum(values is None or values.count == 0 for values in numbers)
+        if left_out:
+            notes.append(f"{label}: {left_out} of {len(captures)} captures hold no numbers "
+                         "(left out)")
+        if len(series.non_finite):  # a silent gap, or a clean norm, would hide them
+            notes.append(f"{label}: NaN or Inf in {len(series.non_finite)} of {len(captures)} "
+                         f"captures, the first at step {_step_text(series.non_finite[0])}"
+                         + ("" if single else " (their statistics are over the finite values)"))
     if not panels:
         raise ValueError("; ".join(notes))
     if "value" in panels and len(panels["value"].series) <= 3:  # its axis names what it shows
@@ -146,6 +154,8 @@ def histogram(store: HistoryStore, name_or_id: Union[str, int], index: int = 0,
     values = capture_stats(capture).values
     assert values is not None  # counted: it has numbers
     where = f" at step {capture.step}" if capture.step is not None else ""
+    if capture.rank is not None:
+        where += f" of rank {capture.rank}"
     notes = []
     if values.finite < values.count:
         notes.append(f"{values.count - values.finite} NaN or Inf values left out")
@@ -154,17 +164,27 @@ def histogram(store: HistoryStore, name_or_id: Union[str, int], index: int = 0,
     return Histogram(f"{label}{where}: {values.finite} values", counts, edges, notes)
 
 
-def recent_values(store: HistoryStore, name: str, count: int) -> Optional[np.ndarray]:
-    """The last ``count`` values of a name whose newest capture is a single number (its
-    newest run, any rank); None for any other name. For ``thing.status()``'s sparklines."""
-    try:
-        captures = store.get_all(name)[-count:]
-    except KeyError:  # cleared or evicted since the name was listed
+def recent_values(store: HistoryStore, name: str, count: int
+                  ) -> Optional[tuple[str, np.ndarray]]:
+    """``(label, values)``: the last ``count`` values of a name whose newest capture is a
+    single number, from the rank and run of that capture (the label names the rank); None
+    for any other name. For ``thing.status()``'s sparklines."""
+    captures = store.recent_of(name, count)
+    if not captures or not _single_number(captures[-1]):
         return None
-    newest = capture_stats(captures[-1]).values
-    if newest is None or newest.count != 1:
-        return None
-    return _stat_values("value", [capture_stats(c).values for c in captures])
+    rank = captures[-1].rank
+    label = name if rank is None else f"{name} rank {rank}"
+    return label, _stat_values("value", [capture_stats(c).values if _single_number(c) else None
+                                         for c in captures])
+
+
+def _single_number(capture: Capture) -> bool:
+    """Whether a capture is one number (told by its layout: no statistics worked out)."""
+    leaves = capture.leaves
+    if not leaves:
+        return is_header_number(capture.parts().tree)
+    return (len(leaves) == 1 and leaves[0].framework != "bytes"
+            and math.prod(leaves[0].shape) == 1)
 
 
 def _stat_list(stat: Union[str, list[str], tuple[str, ...]]) -> list[str]:
@@ -219,9 +239,7 @@ def _series(label: str, stat: str, captures: list[Capture]) -> Series:
         std = _stat_values("std", numbers)
         band = (values - std, values + std)
         extent = (_stat_values("min", numbers), _stat_values("max", numbers))
-    non_finite = np.empty(0)
-    if stat == "value":
-        non_finite = steps[[n is not None and n.count == 1 and n.finite == 0 for n in numbers]]
+    non_finite = steps[[n is not None and bool(n.nan or n.inf) for n in numbers]]
     return Series(label, steps, values, band, extent, non_finite)
 
 

@@ -40,13 +40,15 @@ from .channel import NOT_DELIVERED_REASONS, SMALL_BYTES
 from .errors import HandshakeError, LimitExceeded, ProtocolError
 from .run_names import MAX_RUN_NAME
 from .sockets import set_timeouts
-from .store import Capture, HistoryStore, Sender, UnsentNotice
+from .store import Announcement, Capture, HistoryStore, Sender, UnsentNotice
 from .stream import StreamReader
 
 log = logging.getLogger("thing")
 
 # Acknowledgements sent in one write at most; a client waits for no more than this many.
 ACK_BATCH = 64
+# Seconds a control message waits for a client to have room for it (then it is not sent).
+CONTROL_WAIT = 0.1
 # A payload is received (and the store makes room for it) this much at a time; a header
 # is read this much at a time, as it arrives.
 RECEIVE_CHUNK = 4 << 20
@@ -131,7 +133,11 @@ class Connection:
         self.local = sock.family == socket.AF_UNIX
         self.takes_descriptors = False  # until the handshake says otherwise
         self.sender = Sender(address)
+        self.takes_control = False  # until the handshake says otherwise
         self._acks: list[bytes] = []
+        # Acks (this connection's thread) and control messages (the REPL's) share the
+        # socket and the signatures' count: each is signed as it is sent, under this lock.
+        self._send_lock = threading.Lock()
         self._mid_frame = False  # a frame's prefix arrived and it is not answered yet
         self.handshaken = False
         # Shared-memory mappings this client's captures keep: adopted, minus those gone.
@@ -143,6 +149,8 @@ class Connection:
         self._trailer_size = wire.FRAME_TRAILER.size
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
+        self._writable = select.poll()
+        self._writable.register(sock, select.POLLOUT)
         self._deadline = _ReadDeadline(settings.deadlines, sock, settings.idle_timeout)
         self._stream = StreamReader(sock, before_wait=self._deadline.start)
         self._headers: dict[bytes, KnownHeader] = {}  # raw header -> what it tells
@@ -175,13 +183,14 @@ class Connection:
         # with no room for them, so the kernel closes any sent anyway, and a shared-memory
         # frame finds none to take and is refused.
         self.takes_descriptors = self.local and info.get("shared_memory") is True
+        self.takes_control = info.get("control") is True
         if settings.token is not None:
             self._authenticate(settings.token, info.get("nonce"))
         if self.takes_descriptors:  # only once proven: none is kept from a peer turned away
             self._stream.take_descriptors()
         # Proven (or no token asked): from now on it holds a slot like any client.
         self.handshaken, self.since = True, time.monotonic()
-        welcome = {"server": "thing", "pid": os.getpid(), "notices": True}
+        welcome = {"server": "thing", "pid": os.getpid(), "notices": True, "control": True}
         send_buffers(sock, [wire.encode_handshake(welcome)])
         self._deadline.stop()
         self.sender = Sender(
@@ -409,8 +418,11 @@ class Connection:
             wire.check_received(header.tree, arrays)
         if known.undelivered:
             settings.store.note_undelivered(known.sender, known.undelivered)
-        if known.notice:
+        if known.notice == "unsent":
             settings.store.note_unsent(_notice_of(header, known.sender))
+            return None
+        if known.notice == "on_demand":
+            settings.store.note_available(_announcement_of(header, known.sender))
             return None
         capture = settings.store.add(
             known.name,
@@ -424,6 +436,7 @@ class Connection:
             step=prefix.step,
             call_site=known.call_site,
             consistent=not modified,
+            requested=known.requested,
         )
         charge.stored(payload_len)
         return capture
@@ -468,13 +481,36 @@ class Connection:
         return wire.encode_ack(seq, -1, str(why)[:1000])
 
     def _answer(self, ack: bytes) -> None:
-        """Queue an acknowledgement, signed when the connection is."""
-        self._acks.append(ack if self.mac is None else ack + self.mac.sign(ack))
+        """Queue an acknowledgement (signed when sent)."""
+        self._acks.append(ack)
 
     def _flush_acks(self) -> None:
         if self._acks:
             acks, self._acks = self._acks, []
-            send_buffers(self.sock, acks)
+            self._send(acks)
+
+    def send_control(self, message: bytes) -> bool:
+        """Send one control message (``wire.encode_control``), from any thread; False (not
+        sent) when the client has not read what it was sent before: a stuck or hostile peer
+        must not hold up the REPL that steers the others."""
+        if not self._send_lock.acquire(timeout=CONTROL_WAIT):
+            return False
+        try:
+            if not self._writable.poll(CONTROL_WAIT * 1000):
+                return False
+            self._send_signed([message])
+        finally:
+            self._send_lock.release()
+        return True
+
+    def _send(self, messages: list[bytes]) -> None:
+        with self._send_lock:
+            self._send_signed(messages)
+
+    def _send_signed(self, messages: list[bytes]) -> None:
+        if self.mac is not None:
+            messages = [part for message in messages for part in (message, self.mac.sign(message))]
+        send_buffers(self.sock, messages)
 
     def _flush_acks_and_close(self) -> None:
         """Send what is owed, then let the peer see the end of the stream.
@@ -524,7 +560,10 @@ class KnownHeader:
     sender: Sender  # the connection's, with the rank the header gives
     undelivered: dict[str, int]
     call_site: str | None
-    notice: bool  # a notice of a capture that could not be sent, not a capture
+    # A notice, not a capture: "unsent" (a capture that could not be sent) or "on_demand"
+    # (a name sent only when the REPL asks); None for a capture.
+    notice: str | None
+    requested: bool  # sent because the REPL asked (thing.request)
     record_bytes: int  # what the store charges for a capture of it, beyond its arrays
     sparse: bool  # whether its received arrays need checking (wire.check_received)
     # Per array: its carrier dtype, element count and shape, to build it from bytes.
@@ -537,8 +576,9 @@ class KnownHeader:
         call_site = _str_or(meta.get("site"))
         layout = tuple((CARRIER_DTYPES[spec.dtype], math.prod(spec.shape), spec.shape)
                        for spec in header.leaves)
+        notice = next((kind for kind in ("unsent", "on_demand") if kind in meta), None)
         return cls(header, name, _sender_of(meta, connection), _undelivered_of(meta), call_site,
-                   "unsent" in meta, HistoryStore.record_bytes(
+                   notice, meta.get("requested") is True, HistoryStore.record_bytes(
                        name, wire.ReceivedValue(header.tree, header.leaves, []), call_site),
                    wire.holds_sparse(header.tree), layout)
 
@@ -685,6 +725,27 @@ def _notice_of(header: wire.FrameHeader, sender: Sender) -> UnsentNotice:
         None if header.name is None else wire.printable(header.name),
         _str_or(unsent.get("type"), 200) or "?",
         _str_or(unsent.get("reason"), wire.MAX_REASON) or "?",
+        _str_or(header.meta.get("site")),
+        sender,
+        time.time(),
+    )
+
+
+def _announcement_of(header: wire.FrameHeader, sender: Sender) -> Announcement:
+    """What a frame with ``meta["on_demand"]`` tells: a name caught on demand, what it looks
+    like (type, shape, dtype), no data."""
+    looks = header.meta["on_demand"]
+    if header.leaves or header.tree is not None or not isinstance(looks, dict):
+        raise ProtocolError("an announcement of an on-demand name carries data, or nothing")
+    shape = looks.get("shape")
+    if not (isinstance(shape, list) and len(shape) <= 64
+            and all(wire.is_int(size) and 0 <= size < 1 << 62 for size in shape)):
+        shape = None
+    return Announcement(
+        None if header.name is None else wire.printable(header.name),
+        _str_or(looks.get("type"), 200) or "?",
+        None if shape is None else tuple(shape),
+        _str_or(looks.get("dtype"), 40),
         _str_or(header.meta.get("site")),
         sender,
         time.time(),

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from .errors import NotServing, ThingError, UnknownName
 from .server import Server
-from .store import HistoryStore, Run, value_of
+from .store import Announcement, HistoryStore, Run, value_of
 
 log = logging.getLogger("thing")
 
@@ -226,6 +226,74 @@ def runs() -> list[Run]:
     that catches names a run of its own, shared only with what it forks.
     """
     return _store().runs()
+
+
+# -- steering: what running jobs send -----------------------------------------------------
+
+
+@_short_traceback
+def request(name: str, count: int = 1, rank: int | None = None) -> int:
+    """Make the next ``count`` calls of ``name`` in the running jobs send, whatever their
+    throttles say (``rank=``: only that rank's).
+
+    For a name caught with ``catch(x, on_demand=True)``, which sends nothing
+    until asked (:func:`available` lists those), and for any other name. A
+    capture sent so is marked "sent because of a request" in :func:`describe`.
+    Returns how many connected jobs were told.
+    """
+    return default_server().request(name, count, rank)
+
+
+@_short_traceback
+def every(name: str | None, n: int, rank: int | None = None) -> int:
+    """From now, the running jobs send every ``n``-th call of ``name`` (None: of every name).
+
+    It overrides the job's own ``every=`` until :func:`reset`; a job that
+    connects later (a restart) gets it too. ``rank=``: only that rank. Nothing
+    runs in the job: it changes a number its ``catch`` reads. A job that loses
+    this REPL keeps the setting for ``THING_CONTROL_TTL`` s (10 min), then
+    returns to its own. Returns how many connected jobs were told.
+    """
+    return default_server().every(name, n, rank)
+
+
+@_short_traceback
+def first(name: str, n: int, rank: int | None = None) -> int:
+    """The running jobs send the next ``n`` captures of ``name``, then none, until :func:`reset`.
+
+    Overrides the job's own ``first=`` (and keeps its ``every=``); see :func:`every`.
+    """
+    return default_server().first(name, n, rank)
+
+
+@_short_traceback
+def pause(name: str | None = None, rank: int | None = None) -> int:
+    """The running jobs send nothing of ``name`` (None: of any name) until :func:`resume`.
+
+    Calls are still counted, so steps stay right. See :func:`every`.
+    """
+    return default_server().pause(name, rank)
+
+
+@_short_traceback
+def resume(name: str | None = None, rank: int | None = None) -> int:
+    """Undo :func:`pause`: for ``name`` (sent even while every name is paused), or for all."""
+    return default_server().resume(name, rank)
+
+
+@_short_traceback
+def reset(name: str | None = None, rank: int | None = None) -> int:
+    """Undo what :func:`every`, :func:`first` and :func:`pause` set for ``name`` (None: for
+    every name): the jobs' own ``every=``/``first=`` again."""
+    return default_server().reset(name, rank)
+
+
+@_short_traceback
+def available() -> list[Announcement]:
+    """The names running jobs catch on demand (``catch(x, on_demand=True)``), most recently
+    announced first: name, type, shape, dtype, call site, sender. :func:`request` sends
+    some; :func:`summary` shows them too."""
+    return _store().available()
 
 
 @_short_traceback

@@ -21,14 +21,15 @@ from .array_stats import ArrayStats, array_stats
 from .arrays import is_array, sparse_parts
 from .display import Column, Entries, Fields, Report, Table
 from .errors import ProtocolError, UnknownName
-from .store import Capture, HistoryStore, Sender, UnsentNotice
+from .store import Announcement, Capture, HistoryStore, Sender, UnsentNotice
 
 if TYPE_CHECKING:
     from .server import ServerInfo
 
 # Names shown first by help(), in the order a newcomer needs them.
 _HELP_ORDER = ("catch", "serve", "get", "get_all", "wait", "ingest_all", "summary", "describe",
-               "stats", "plot", "hist", "status", "runs", "clear", "save", "load", "help")
+               "stats", "plot", "hist", "status", "runs", "request", "available",
+               "every", "first", "pause", "resume", "reset", "clear", "save", "load", "help")
 
 # What gives way, in order, when the summary is wider than the terminal: the name last.
 _SUMMARY_GIVES_WAY = [("shrink", "value"), ("shrink", "sender"), ("drop", "sender"),
@@ -104,7 +105,21 @@ def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None 
         table = Table(f"{where}: {empty}", [], [], notes)
     else:
         table = Table(where, columns, rows, notes, _SUMMARY_GIVES_WAY)
-    return Report(table, unsent_table(overview.unsent))
+    return Report(table, on_demand_table(store.available()), unsent_table(overview.unsent))
+
+
+def on_demand_table(announced: list[Announcement]) -> Table | None:
+    """Names caught on demand: sent only when asked for with thing.request()."""
+    if not announced:
+        return None
+    rows = [[a.name if a.name is not None else "(unnamed)",
+             "-" if a.shape is None else shape_text(a.shape), a.dtype or a.type_name,
+             rank_text_of(a.sender), f"{a.sender.hostname}:{a.sender.pid}"] for a in announced]
+    return Table("on demand (thing.request(name, count) sends the next calls)",
+                 [Column("name", 16, "middle"), Column("shape"), Column("dtype", 8),
+                  Column("rank"), Column("sender", 10, "middle")], rows, [],
+                 [("shrink", "sender"), ("drop", "sender"), ("drop", "rank"),
+                  ("shrink", "name")])
 
 
 def unsent_table(notices: list[UnsentNotice]) -> Table | None:
@@ -169,6 +184,8 @@ def capture_report(capture: Capture, store: HistoryStore | None = None) -> Repor
     pairs.append(("call site", capture.call_site or "-"))
     if capture.name is not None and store is not None:
         pairs.append(("versions", _versions_text(store, capture)))
+    if capture.requested:
+        pairs.append(("sent", "because of a request (thing.request)"))
     pairs.append(("consistent",
                   "yes: the value at the catch() call" if capture.consistent else
                   "NO: it changed after catch() before its send ended, so it holds a later "
@@ -466,7 +483,11 @@ def step_text(capture: Capture) -> str:
 
 def rank_text(capture: Capture) -> str:
     """``rank/world size`` of the sender (``3/8``), or "" outside a distributed job."""
-    sender = capture.sender
+    return rank_text_of(capture.sender)
+
+
+def rank_text_of(sender: Sender) -> str:
+    """``rank/world size`` of a sender (``3/8``), or "" outside a distributed job."""
     if sender.rank is None:
         return ""
     return f"{sender.rank}" + (f"/{sender.world_size}" if sender.world_size else "")

@@ -157,6 +157,8 @@ def _record_of(capture: Capture, parts: wire.ReceivedValue) -> str:
         meta["site"] = capture.call_site
     if sender.rank is not None or sender.world_size is not None:
         meta["rank"], meta["world_size"] = sender.rank, sender.world_size
+    if capture.requested:
+        meta["requested"] = True
     return json.dumps({
         "header": wire.describe_capture(capture.name, parts.tree, parts.specs, meta).decode(),
         "sender": [sender.address, sender.hostname, sender.pid, sender.run],
@@ -401,7 +403,7 @@ def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: mmap.
         known = KnownHeader.of(wire.decode_header(raw, payload_len, limits),
                                Sender(address, hostname, pid, run=run))
         if known.notice:
-            raise BadRecording(f"{where}: a notice of an unsent capture, not a capture")
+            raise BadRecording(f"{where}: a sender's notice, not a capture")
         if len(known_headers) >= MAX_KNOWN_HEADERS:
             known_headers.clear()
         known_headers[key] = known
@@ -424,7 +426,8 @@ def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: mmap.
     value = wire.ReceivedValue(header.tree, header.leaves, arrays)
     capture = Capture(-1, known.name, value, header.leaves, payload_len, known.sender,
                       received_at=received_at, caught_at=caught_at, call_site=known.call_site,
-                      consistent=record["consistent"], call=call, step=step)
+                      consistent=record["consistent"], call=call, step=step,
+                      requested=known.requested)
     return LoadedCapture(capture, known.record_bytes)
 
 

@@ -24,6 +24,7 @@ from . import auth, config, receiver, wire
 from .buffers import ReceiveBuffers
 from .errors import HandshakeError, ProtocolError
 from .history_stats import StatsWorker
+from .overrides import Statement
 from .sockets import (
     listen,
     listen_unix,
@@ -33,7 +34,8 @@ from .sockets import (
     tune_stream,
     unix_socket_path,
 )
-from .store import Capture, HistoryStore, Run, Sender, value_of
+from .steering import Steering
+from .store import Announcement, Capture, HistoryStore, Run, Sender, value_of
 
 if TYPE_CHECKING:
     from .recorder import Recorder
@@ -50,6 +52,7 @@ class ServerInfo:
     clients: int  # connected now
     dropped_transfers: int  # frames begun but not stored
     refused: int  # connections turned away at the cap
+    steering: tuple[Statement, ...] = ()  # what the REPL set for running clients
 
 
 class Server:
@@ -101,6 +104,7 @@ class Server:
         self.refused = 0  # connections turned away at the cap
         self._recorders: list[Recorder] = []
         self._stats_worker: StatsWorker | None = None  # while running
+        self.steering = Steering()
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -215,7 +219,8 @@ class Server:
         """A snapshot of where this server listens and how its connections fare."""
         with self._lock:
             clients = len(self._connections)
-        return ServerInfo(self.host, self.port, clients, self.dropped_transfers, self.refused)
+        return ServerInfo(self.host, self.port, clients, self.dropped_transfers, self.refused,
+                          tuple(self.steering.statements()))
 
     def __repr__(self) -> str:
         if not self.running:
@@ -266,6 +271,38 @@ class Server:
 
         plot_drawing.hist(self.store, name_or_id, index, rank, step=step, run=run, bins=bins,
                           file=file)
+
+    # -- steering: what running clients send ---------------------------------------
+
+    def request(self, name: str, count: int = 1, rank: int | None = None) -> int:
+        """Make the next ``count`` calls of ``name`` send (see ``thing.request``); returns how
+        many connected clients were told."""
+        return self.steering.apply("request", name, rank, _positive(count, "count"))
+
+    def every(self, name: str | None, n: int, rank: int | None = None) -> int:
+        """Send every ``n``-th call of ``name`` (None: every name) (see ``thing.every``)."""
+        return self.steering.apply("every", name, rank, _positive(n, "n"))
+
+    def first(self, name: str, n: int, rank: int | None = None) -> int:
+        """Send the next ``n`` captures of ``name``, then none (see ``thing.first``)."""
+        return self.steering.apply("first", name, rank, _positive(n, "n", least=0))
+
+    def pause(self, name: str | None = None, rank: int | None = None) -> int:
+        """Send nothing of ``name`` (None: of any name) until resumed (see ``thing.pause``)."""
+        return self.steering.apply("pause", name, rank)
+
+    def resume(self, name: str | None = None, rank: int | None = None) -> int:
+        """Undo ``pause`` for ``name`` (None: for everything) (see ``thing.resume``)."""
+        return self.steering.apply("resume", name, rank)
+
+    def reset(self, name: str | None = None, rank: int | None = None) -> int:
+        """Back to the job's own every=/first= for ``name`` (None: every name) (see
+        ``thing.reset``)."""
+        return self.steering.apply("reset", name, rank)
+
+    def available(self) -> list[Announcement]:
+        """The names clients catch on demand (see ``thing.available``)."""
+        return self.store.available()
 
     def capture(self, name_or_id: str | int, index: int = 0, rank: int | None = None) -> Capture:
         """The :class:`Capture` record (value plus everything known about it)."""
@@ -415,6 +452,7 @@ class Server:
             tune_stream(sock)
             sender = connection.handshake()
             log.debug("client connected: %s (pid %d on %s)", address, sender.pid, sender.hostname)
+            self.steering.attach(connection)
             connection.serve()
         except HandshakeError as exc:
             self._warn_about(address, f"dropped {address}: {exc}")
@@ -428,6 +466,8 @@ class Server:
         except Exception:  # never let one client's bug take the server thread's siblings down
             log.exception("unexpected error serving %s; connection closed", address)
         finally:
+            # Before the socket closes: no control message may go to a reused descriptor.
+            self.steering.detach(connection)
             with self._lock:
                 self._connections.pop(sock, None)
             self._deadlines.stop(sock)
@@ -452,6 +492,15 @@ class Server:
             log.warning(message)
         else:
             log.debug(message)
+
+
+def _positive(number: int, what: str, least: int = 1) -> int:
+    """``number`` as the int a control message carries; ValueError naming ``what`` if it is
+    not a whole number from ``least`` to wire.MAX_CONTROL_VALUE."""
+    if isinstance(number, bool) or not isinstance(number, int) or not (
+            least <= number <= wire.MAX_CONTROL_VALUE):
+        raise ValueError(f"{what} must be a whole number from {least}, not {number!r}")
+    return number
 
 
 def _shutdown_reading(sock: socket.socket) -> None:

@@ -66,6 +66,13 @@ def tune_stream(sock: socket.socket) -> None:
     """
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A peer whose machine vanished without closing is noticed in about 90 s: a job
+        # that sends nothing (paused, on demand) then starts its THING_CONTROL_TTL.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, option):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
     elif sock.family == socket.AF_UNIX:
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             with contextlib.suppress(OSError):  # capped by the system: still correct

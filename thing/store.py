@@ -63,13 +63,13 @@ class Capture:
 
     __slots__ = ("id", "name", "_value", "_received", "leaves", "nbytes", "sender",
                  "received_at", "caught_at", "call_site", "consistent", "call", "given_step",
-                 "stats")
+                 "requested", "stats")
 
     def __init__(self, id: int, name: str | None, value: Any, leaves: tuple[LeafSpec, ...],
                  nbytes: int, sender: Sender, received_at: float | None = None,
                  caught_at: float | None = None, call_site: str | None = None,
                  consistent: bool = True, call: int | None = None,
-                 step: int | None = None):
+                 step: int | None = None, requested: bool = False):
         self.id = id
         self.name = name
         self._value = value
@@ -84,6 +84,7 @@ class Capture:
         self.consistent = consistent
         self.call = call  # the call number of its name in its sender (None: not counted)
         self.given_step = step  # catch(..., step=): None when not given
+        self.requested = requested  # sent because the REPL asked (thing.request)
         self.stats: Any = None  # its statistics, once worked out (thing/history_stats.py)
 
     @property
@@ -156,6 +157,20 @@ class Run:
     captures: int
     ranks: tuple[int, ...]
     names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A sender's word that it catches ``name`` on demand: sent only when the REPL asks
+    (``thing.request``). What a capture of it would be: type, shape, dtype (no data)."""
+
+    name: str | None
+    type_name: str
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    call_site: str | None
+    sender: Sender
+    at: float
 
 
 @dataclass(frozen=True)
@@ -237,6 +252,8 @@ class HistoryStore:
         self._undelivered: OrderedDict[tuple[str, int], dict[str, int]] = OrderedDict()
         # (name, reason) -> the newest notice of it; bounded, the oldest forgotten first.
         self._unsent: OrderedDict[tuple[str | None, str], UnsentNotice] = OrderedDict()
+        # On-demand names senders announced, by name, run and rank (the newest word kept).
+        self._available: OrderedDict[tuple[Any, ...], Announcement] = OrderedDict()
         self._listeners: list[Callable[[Capture], None]] = []  # replaced, never changed in place
 
     # -- receiving ---------------------------------------------------------------
@@ -287,6 +304,21 @@ class HistoryStore:
             self._unsent[key] = notice
             while len(self._unsent) > MAX_NOTICES:
                 self._unsent.popitem(last=False)
+
+    def note_available(self, announcement: Announcement) -> None:
+        """Record a sender's word that it catches a name on demand."""
+        sender = announcement.sender
+        key = (announcement.name, sender.run, sender.rank)
+        with self._lock:
+            self._available.pop(key, None)
+            self._available[key] = announcement
+            while len(self._available) > MAX_NOTICES:
+                self._available.popitem(last=False)
+
+    def available(self) -> list[Announcement]:
+        """The names senders catch on demand, most recently announced first."""
+        with self._lock:
+            return list(reversed(self._available.values()))
 
     def unsent(self, name: str | None = None) -> list[UnsentNotice]:
         """Notices of captures senders could not send (of ``name``, or all), newest first."""
@@ -471,6 +503,19 @@ class HistoryStore:
         ``"all"``: every run), oldest to newest."""
         with self._lock:
             return self._history(name, rank, run)
+
+    def recent_of(self, name: str, count: int) -> list[Capture]:
+        """Up to the ``count`` newest captures of ``name`` from the run and rank of its newest,
+        oldest first ([] for a name not kept); it reads no further back than it keeps."""
+        with self._lock:
+            history = self._by_name.get(name)
+            if not history:
+                return []
+            newest = history[-1]
+            found = [capture for capture in islice(
+                (c for c in reversed(history)
+                 if c.sender.run == newest.sender.run and c.rank == newest.rank), count)]
+        return found[::-1]
 
     def runs(self) -> list[Run]:
         """The runs (training jobs) with a kept capture, the one that started first first."""

@@ -71,6 +71,19 @@ ACK_REJECTED = 1
 # The seq of a rejection for a frame whose header was not read. Every frame gets exactly
 # one ack, in frame order, so this always answers the oldest frame not yet answered.
 SEQ_OLDEST_UNANSWERED = (1 << 64) - 1
+# b"TC", operation, name length, rank (NO_RANK: every rank), a number; then the name (UTF-8,
+# empty: every name). The REPL steering what a client sends: data from a fixed set of
+# operations, never code. It travels among the acks, server to client, only to a client
+# whose hello said "control": true; the same size as an ack, so one read says which it is.
+CONTROL = struct.Struct("<2sHIqq")
+CONTROL_TAG = b"TC"
+NO_RANK = -(1 << 63)
+CONTROL_OPERATIONS = {1: "request", 2: "every", 3: "first", 4: "pause", 5: "resume",
+                      6: "reset", 7: "forget"}
+CONTROL_CODES = {operation: code for code, operation in CONTROL_OPERATIONS.items()}
+# The most a control message's number may be: a count of calls, an every=, a first=.
+MAX_CONTROL_VALUE = 1 << 40
+MAX_CONTROL_NAME = 4096  # as Limits.max_name_length: a longer name was never caught
 # A sender's clock reading beyond this many seconds from the epoch (years 1653 to 5138), or
 # one that is not finite, is stored as no time: nothing could show it as a date.
 MAX_TIME = 1e11
@@ -749,6 +762,54 @@ def decode_ack(prefix: bytes) -> tuple[int, int, int, int]:
     if tag != ACK_TAG or status not in (ACK_STORED, ACK_REJECTED) or length > MAX_HANDSHAKE_JSON:
         raise ProtocolError(f"bad acknowledgement {prefix!r}")
     return status, length, seq, capture_id
+
+
+class BadControl(ProtocolError):
+    """A control message outside the fixed set; it was read whole, so the stream that
+    carried it is still in step: the message is ignored, the connection kept."""
+
+
+@dataclass(frozen=True)
+class ControlMessage:
+    """One decoded control message: an ``operation`` of :data:`CONTROL_OPERATIONS` for
+    ``name`` (None: every name) and ``rank`` (None: every rank), with its ``value``."""
+
+    operation: str
+    name: str | None
+    rank: int | None
+    value: int
+
+
+def encode_control(operation: str, name: str | None, rank: int | None, value: int = 0) -> bytes:
+    """A control message (see :data:`CONTROL`), unsigned."""
+    raw_name = b"" if name is None else name.encode("utf-8", "surrogatepass")
+    return CONTROL.pack(CONTROL_TAG, CONTROL_CODES[operation], len(raw_name),
+                        NO_RANK if rank is None else rank, value) + raw_name
+
+
+def decode_control(prefix: bytes, raw_name: bytes) -> ControlMessage:
+    """Check a control message whose name was read (``prefix[:2]`` is its tag, its name
+    length was bounded by the reader); BadControl for anything outside the fixed set."""
+    _, code, _, rank, value = _unpack(CONTROL, prefix, "control message")
+    operation = CONTROL_OPERATIONS.get(code)
+    if operation is None:
+        raise BadControl(f"unknown control operation {code}")
+    try:
+        name = raw_name.decode("utf-8") if raw_name else None
+    except UnicodeDecodeError:
+        raise BadControl("a control message's name is not UTF-8") from None
+    if rank != NO_RANK and not 0 <= rank < 1 << 31:
+        raise BadControl(f"a control message for rank {rank}")
+    if operation in ("request", "every", "first"):
+        least = 0 if operation == "first" else 1
+        valid = least <= value <= MAX_CONTROL_VALUE
+    else:
+        valid = value == 0
+    if not valid:
+        raise BadControl(f"control {operation} with the number {value}")
+    if name is None and operation in ("request", "first"):
+        raise BadControl(f"control {operation} without a name")
+    return ControlMessage(operation, name, None if rank == NO_RANK else rank, value)
 
 
 def printable(text: str) -> str:

@@ -1,0 +1,464 @@
+"""Steering from the REPL: on-demand names, requests, every/first/pause/resume/reset.
+
+Jobs are real processes that catch when the test tells them to (one command per line on
+their stdin), so what they send is known call by call. A control message and the
+acknowledgements after it travel on one stream, in order: once a capture the job sent
+after a setting is acknowledged, the job has applied the setting (``sync``).
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import thing
+from thing import auth, live, reports, wire
+from thing.channel import read_server_message
+from thing.errors import ProtocolError
+from thing.overrides import Overrides
+from thing.stream import StreamReader
+
+from .conftest import poll, start_script
+
+JOB = """
+import os, sys, numpy as np, thing
+print("ready", flush=True)
+for line in sys.stdin:
+    command, *args = line.split()
+    if command == "catch":  # name every calls on_demand
+        name, every, calls, on_demand = args[0], int(args[1]), int(args[2]), args[3] == "1"
+        for _ in range(calls):
+            thing.catch(np.arange(3, dtype=np.float32), name=name, every=every,
+                        on_demand=on_demand)
+    if command == "fork":  # name calls: a forked child catches on demand, then the parent
+        name, calls = args[0], int(args[1])
+        child = os.fork()
+        for _ in range(calls):
+            thing.catch(np.arange(3, dtype=np.float32), name=name, on_demand=True)
+        if child == 0:
+            thing._default_client.flush(10)
+            os._exit(0)
+        os.waitpid(child, 0)
+    if command == "touch":  # catch once and wait for nothing (a server that never answers)
+        thing.catch(0, name="touch")
+        print("done", flush=True)
+        continue
+    if command == "settings":
+        overrides = thing._default_client._overrides
+        print("settings", sorted(map(str, overrides.settings())), flush=True)
+        continue
+    # One connection delivers in order: once this is stored, so is all before it, and
+    # every control message the server sent before its ack was applied.
+    assert thing.catch(0, name="sync").wait(10)
+    print("done", flush=True)
+"""
+
+
+class Job:
+    """A job process steered through its stdin."""
+
+    def __init__(self, port: int, **env: str):
+        self.process = start_script(JOB, port, stdin=True, **env)
+        self._expect("ready")
+
+    def run(self, command: str) -> str:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self._expect("settings" if command == "settings" else "done")
+
+    def catch(self, name: str, calls: int, every: int = 1, on_demand: bool = False) -> None:
+        self.run(f"catch {name} {every} {calls} {int(on_demand)}")
+
+    def sync(self) -> None:
+        self.run("sync")
+
+    def _expect(self, word: str) -> str:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line.startswith(word):
+            self.process.kill()
+            raise AssertionError(f"job said {line!r}:\n{self.process.communicate()[1]}")
+        return line
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.communicate()
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[Job]]:
+    started: list[Job] = []
+    yield started
+    for job in started:
+        job.close()
+
+
+def calls_of(server: thing.Server, name: str) -> list[int]:
+    try:
+        return [capture.call for capture in server.store.get_all(name)]
+    except KeyError:
+        return []
+
+
+# -- on demand, and requests ----------------------------------------------------------------
+
+
+def test_an_on_demand_name_sends_nothing_until_requested(server: thing.Server,
+                                                         jobs: list[Job]) -> None:
+    jobs.append(job := Job(server.port))
+    job.catch("attn_probs", 20, on_demand=True)
+    assert calls_of(server, "attn_probs") == []
+    [announced] = server.available()
+    assert (announced.name, announced.shape, announced.dtype) == ("attn_probs", (3,), "float32")
+    assert announced.type_name == "numpy.ndarray" and announced.sender.pid == job.process.pid
+    summary = reports.summary(server.store, server.info()).text(100)
+    assert "on demand" in summary and "attn_probs" in summary
+
+    assert server.request("attn_probs", count=3) == 1
+    job.sync()
+    job.catch("attn_probs", 10, on_demand=True)
+    assert calls_of(server, "attn_probs") == [21, 22, 23]  # exactly 3, the next ones
+    assert all(capture.requested for capture in server.store.get_all("attn_probs"))
+    described = reports.describe(server.store, "attn_probs").text(100)
+    assert "because of a request" in described
+    job.catch("attn_probs", 10, on_demand=True)
+    assert calls_of(server, "attn_probs") == [21, 22, 23]  # and nothing more
+
+
+def test_a_forked_child_keeps_the_settings_but_not_the_requests(server: thing.Server,
+                                                                jobs: list[Job]) -> None:
+    jobs.append(job := Job(server.port))
+    job.sync()
+    server.request("probe", 5)
+    server.every("w", 1)
+    job.sync()
+    job.run("fork probe 8")  # what the parent was asked for, the child does not send again
+    captures = server.store.get_all("probe")
+    assert [c.call for c in captures] == [1, 2, 3, 4, 5]
+    assert {c.sender.pid for c in captures} == {job.process.pid}
+    [announced] = server.available()  # one job: parent and child are one run, one rank
+    assert announced.name == "probe"
+    saved = server.store.save(server_dir := Path(tempfile.mkdtemp()) / "rec")
+    loaded = thing.HistoryStore()
+    loaded.load(server_dir)
+    assert saved and all(c.requested for c in loaded.get_all("probe"))  # kept on disk too
+
+
+def test_a_request_sends_the_next_calls_of_a_throttled_name(server: thing.Server,
+                                                            jobs: list[Job]) -> None:
+    jobs.append(job := Job(server.port))
+    job.catch("w", 5, every=100)
+    server.request("w", 2)
+    job.sync()
+    job.catch("w", 5, every=100)
+    assert calls_of(server, "w") == [1, 6, 7]
+    assert [c.requested for c in server.store.get_all("w")] == [False, True, True]
+
+
+# -- live throttles ------------------------------------------------------------------------
+
+
+def test_every_overrides_the_job_until_reset(server: thing.Server, jobs: list[Job]) -> None:
+    jobs.append(job := Job(server.port))
+    job.catch("w", 150, every=100)
+    assert calls_of(server, "w") == [1, 101]
+    server.every("w", 1)
+    job.sync()
+    job.catch("w", 5, every=100)
+    assert calls_of(server, "w") == [1, 101, 151, 152, 153, 154, 155]
+    server.reset("w")
+    job.sync()
+    job.catch("w", 150, every=100)
+    assert calls_of(server, "w") == [1, 101, 151, 152, 153, 154, 155, 201, 301]
+
+
+def test_first_sends_the_next_captures_then_none(server: thing.Server, jobs: list[Job]) -> None:
+    jobs.append(job := Job(server.port))
+    job.catch("grad", 3)
+    server.first("grad", 2)
+    job.sync()
+    job.catch("grad", 5, every=2)  # first= keeps the job's every=
+    assert calls_of(server, "grad") == [1, 2, 3, 5, 7]
+    server.reset()
+    job.sync()
+    job.catch("grad", 2)
+    assert calls_of(server, "grad")[-2:] == [9, 10]
+
+
+def test_pause_stops_everything_and_resume_restarts(server: thing.Server,
+                                                    jobs: list[Job]) -> None:
+    jobs.append(job := Job(server.port))
+    server.pause()
+    server.resume("sync")  # what syncs with the job must still be sent
+    job.sync()
+    job.catch("a", 3)
+    job.catch("b", 3)
+    assert calls_of(server, "a") == calls_of(server, "b") == []
+    server.resume("a")  # only a, while the rest stays paused
+    job.sync()
+    job.catch("a", 2)
+    job.catch("b", 2)
+    assert (calls_of(server, "a"), calls_of(server, "b")) == ([4, 5], [])
+    shown = live.view(server.store, server.info(), 5, width=120).text(120)
+    assert "steering: all names: paused; 'sync': sent; 'a': sent" in shown
+    server.resume()
+    job.sync()
+    job.catch("b", 1)
+    assert calls_of(server, "b") == [6]
+    assert server.info().steering == ()
+
+
+def test_a_setting_can_be_for_one_rank(server: thing.Server, jobs: list[Job]) -> None:
+    jobs.extend(ranks := [Job(server.port, RANK=str(rank), WORLD_SIZE="2") for rank in (0, 1)])
+    server.every("x", 1, rank=1)
+    for job in ranks:
+        job.sync()
+        job.catch("x", 4, every=3)
+    by_rank = {rank: [c.call for c in server.store.get_all("x", rank=rank)] for rank in (0, 1)}
+    assert by_rank == {0: [1, 4], 1: [1, 2, 3, 4]}
+    server.reset("x", rank=1)
+    for job in ranks:
+        job.sync()
+        job.catch("x", 3, every=3)
+    assert [c.call for c in server.store.get_all("x", rank=1)][-1] == 7
+
+
+def test_a_job_that_connects_later_picks_up_the_settings(server: thing.Server,
+                                                         jobs: list[Job]) -> None:
+    server.every("w", 1)
+    server.pause("quiet")
+    server.request("w", 5)  # a request is for the calls of now, not kept for later jobs
+    jobs.append(job := Job(server.port))
+    job.sync()
+    job.catch("w", 3, every=100)
+    job.catch("quiet", 3)
+    assert calls_of(server, "w") == [1, 2, 3] and calls_of(server, "quiet") == []
+    assert not any(c.requested for c in server.store.get_all("w"))
+
+
+def test_thing_control_0_ignores_the_repl(server: thing.Server, jobs: list[Job]) -> None:
+    jobs.append(job := Job(server.port, THING_CONTROL="0"))
+    job.sync()
+    assert server.steering.clients == 0  # it said so in its hello: nothing is sent to it
+    server.every("w", 1)
+    server.request("w", 3)
+    job.sync()
+    job.catch("w", 5, every=100)
+    assert calls_of(server, "w") == [1]
+    job.catch("probe", 5, on_demand=True)
+    # Nothing sent, and nothing listed: it could never be asked for.
+    assert calls_of(server, "probe") == [] and server.available() == []
+
+
+def test_settings_outlive_the_repl_for_the_ttl_only(jobs: list[Job]) -> None:
+    with thing.Server(port=0) as server:
+        port = server.port
+        jobs.append(job := Job(port, THING_CONTROL_TTL="1.5", THING_RECONNECT_INTERVAL="0.2"))
+        server.every("w", 1)
+        job.sync()
+        assert job.run("settings") == "settings ['w']\n"
+    gone = time.monotonic()
+    assert job.run("settings") == "settings ['w']\n"  # the REPL went away: kept a while
+    poll(lambda: job.run("settings") == "settings []\n", timeout=10, what="settings to expire")
+    assert time.monotonic() - gone >= 1.5
+
+
+def test_control_under_a_token(jobs: list[Job]) -> None:
+    with thing.Server(port=0, token="steer-secret") as server:
+        jobs.append(job := Job(server.port, THING_TOKEN="steer-secret"))
+        job.sync()
+        server.every("w", 1)
+        server.request("probe", 1)
+        job.sync()
+        job.catch("w", 3, every=100)
+        job.catch("probe", 2, on_demand=True)
+        assert calls_of(server, "w") == [1, 2, 3] and calls_of(server, "probe") == [1]
+
+
+def test_the_repl_refuses_what_a_client_would(server: thing.Server) -> None:
+    with pytest.raises(ValueError, match="count must be a whole number from 1"):
+        server.request("w", 0)
+    with pytest.raises(ValueError, match="n must be a whole number from 1"):
+        server.every("w", 2**50)
+    with pytest.raises(ValueError, match="rank must be a rank number"):
+        server.pause("w", rank=-1)
+    with pytest.raises(TypeError, match="a name is a str"):
+        server.every(3, 1)  # type: ignore[arg-type]
+    assert server.info().steering == ()
+
+
+# -- what a client makes of what a server sends -------------------------------------------
+
+
+def overrides() -> Overrides:
+    return Overrides(True, 600.0, lambda: 1)
+
+
+def message(operation: str, name: str | None = None, rank: int | None = None,
+            value: int = 0) -> bytes:
+    return wire.encode_control(operation, name, rank, value)
+
+
+def read(raw: bytes, mac: Any = None) -> Any:
+    """``raw`` through the client's one reader of what a server sends."""
+    left, right = socket.socketpair()
+    with left, right:
+        right.sendall(raw)
+        right.shutdown(socket.SHUT_WR)
+        return read_server_message(StreamReader(left), mac)
+
+
+def test_the_latest_statement_that_applies_wins() -> None:
+    table = overrides()  # this process is rank 1
+    for raw in (message("pause"), message("resume", "a"), message("every", "w", 1, 5),
+                message("every", "w", None, 7), message("first", "w", None, 2)):
+        table.apply(read(raw))
+    assert {name: repr(s) for name, s in table.settings().items()} == {
+        None: "Setting(every=None, first=None, paused=True)",
+        "a": "Setting(every=None, first=None, paused=False)",
+        "w": "Setting(every=7, first=2, paused=True)",
+    }
+    table.apply(read(message("every", "w", 1, 3)))  # for this rank, and said last
+    assert table.settings()["w"].every == 3
+    table.apply(read(message("reset", "w", 1)))  # what was said for rank 1 goes
+    assert table.settings()["w"].every == 7
+    table.apply(read(message("every", "w", 0, 9)))  # for rank 0: not this process
+    assert table.settings()["w"].every == 7
+    table.apply(read(message("pause")))  # said after resume("a"): a is paused too
+    assert "a" not in table.settings() and table.settings()[None].paused
+    table.apply(read(message("request", "a", None, 2)))
+    table.apply(read(message("forget")))  # a reconnect: settings replayed, requests kept
+    assert table.settings() == {} and table.requests() == {"a": 2} and table.active
+    table.apply(read(message("reset")))
+    assert table.requests() == {} and not table.active
+
+
+operations = st.lists(st.tuples(
+    st.sampled_from(["request", "every", "first", "pause", "resume", "reset"]),
+    st.sampled_from([None, "w", "x"]), st.sampled_from([None, 0, 1]), st.integers(1, 5)),
+    max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations)
+def test_a_job_connecting_later_decides_as_one_connected_all_along(steps: Any) -> None:
+    from thing.overrides import SettingsTable
+
+    kept = SettingsTable()  # the server's, as thing/steering.py keeps it
+    connected = overrides()
+    for operation, name, rank, value in steps:
+        if operation in ("request", "first") and name is None:
+            continue
+        if operation in ("pause", "resume", "reset"):
+            value = 0
+        connected.apply(read(message(operation, name, rank, value)))
+        if operation != "request":
+            kept.apply(operation, name, rank, value)
+    later = overrides()
+    for raw in [message("forget")] + [message(s.operation, s.name, s.rank, s.value)
+                                      for s in kept.statements()]:
+        later.apply(read(raw))
+    assert ({name: repr(s) for name, s in later.settings().items()}
+            == {name: repr(s) for name, s in connected.settings().items()})
+
+
+control_parts = st.tuples(st.integers(0, 2**16 - 1), st.binary(max_size=64),
+                          st.integers(-(2**63), 2**63 - 1), st.integers(-(2**63), 2**63 - 1))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(control_parts)
+def test_a_malformed_control_message_never_raises_nor_changes_anything(parts: Any) -> None:
+    code, raw_name, rank, value = parts
+    raw = wire.CONTROL.pack(wire.CONTROL_TAG, code, len(raw_name), rank, value) + raw_name
+    table = overrides()
+    table.apply(read(message("every", "kept", None, 3)))
+    before = {name: repr(s) for name, s in table.settings().items()}, table.requests()
+    try:
+        decoded = read(raw)
+    except wire.BadControl:  # read whole and ignored: the connection stays
+        assert ({name: repr(s) for name, s in table.settings().items()},
+                table.requests()) == before
+        return
+    table.apply(decoded)  # a valid one, by chance: applies without raising
+    assert decoded.operation in wire.CONTROL_OPERATIONS.values()
+
+
+def test_what_breaks_the_stream_or_its_signature_is_refused() -> None:
+    too_long = wire.CONTROL.pack(wire.CONTROL_TAG, 2, wire.MAX_CONTROL_NAME + 1, 0, 1)
+    with pytest.raises(ProtocolError, match="a name of 4097 bytes"):
+        read(too_long + b"x" * 10)
+    mac = auth.SessionMac("token", "c" * 32, "s" * 32)
+    raw = message("every", "w", None, 1)
+    forged = auth.SessionMac("another", "c" * 32, "s" * 32).sign(raw)
+    with pytest.raises(ProtocolError, match="signature does not match"):
+        read(raw + forged, mac)
+    genuine = auth.SessionMac("token", "c" * 32, "s" * 32)
+    fresh = auth.SessionMac("token", "c" * 32, "s" * 32)  # the forged one used message 0
+    assert read(raw + genuine.sign(raw), fresh) == wire.ControlMessage("every", "w", None, 1)
+
+
+def test_a_hostile_server_cannot_upset_a_job(jobs: list[Job]) -> None:
+    """A server that floods garbage control messages: the job keeps catching, never raises,
+    and ends up with no setting it did not validate."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    junk = [wire.CONTROL.pack(wire.CONTROL_TAG, 99, 0, 0, 0),  # no such operation
+            wire.CONTROL.pack(wire.CONTROL_TAG, 2, 0, 0, -5),  # every -5
+            wire.CONTROL.pack(wire.CONTROL_TAG, 1, 2, 0, 3) + b"\xff\xfe",  # not UTF-8
+            message("every", "w", None, 1)]  # one valid message among them
+
+    def serve() -> None:
+        with listener:
+            connection, _ = listener.accept()
+            with connection:
+                wire.recv_handshake(connection)
+                connection.sendall(wire.encode_handshake(
+                    {"server": "thing", "notices": True, "control": True}))
+                for raw in junk * 50:
+                    connection.sendall(raw)
+                time.sleep(1)
+
+    fake = threading.Thread(target=serve, daemon=True)
+    fake.start()
+    job = Job(port, THING_TRANSPORT="tcp")
+    jobs.append(job)
+    job.run("touch")  # connects
+    fake.join(10)
+    assert job.run("settings") == "settings ['w']\n"  # the valid one, applied 50 times
+    job.run("touch")
+    assert job.process.poll() is None
+
+
+def test_on_demand_costs_a_throttled_call_until_requested() -> None:
+    """Not a timing (benchmarks/overhead.py measures it): an on-demand call touches no data
+    and queues nothing, even with no server at all."""
+    client = thing.Client("127.0.0.1", 1, control=True)
+    try:
+        class Untouchable:
+            shape = (2, 2)
+            dtype = "float32"
+
+            def __array__(self, *args: Any) -> np.ndarray:
+                raise AssertionError("data touched")
+
+        handles = [client.catch(Untouchable(), name="probe", on_demand=True)
+                   for _ in range(3)]
+        assert not any(handle.wait(0) for handle in handles) and client.undelivered == {}
+    finally:
+        client.close()
+

@@ -1,0 +1,318 @@
+"""What the REPL asked this process to send: overrides of ``every=``/``first=``, pauses, requests.
+
+The REPL steers a running job with control messages (``wire.CONTROL``): data
+from a fixed set of operations, for a name or every name, for a rank or
+every rank. A connection's reader thread decodes them and applies them here;
+``catch()`` on the training thread reads the result without a lock, and only
+while something is set (:attr:`Overrides.active`): otherwise a call costs
+the one attribute read.
+
+- ``request(name, n)``: the next n calls of the name are sent, whatever
+  the throttles say (an on-demand name is sent only so, or by a setting of
+  its own).
+- ``every(name, n)`` / ``first(name, n)``: replace the job's own; ``first``
+  counts the captures sent from when it was set.
+- ``pause(name)`` / ``resume(name)``: nothing of the name (of any, with no
+  name) is sent / it is sent again.
+- ``reset(name)``: the job's own settings again, and no request left.
+
+Settings are statements, and **the latest one that applies wins**: for a
+name and a rank, of what was said for that name or every name, for that
+rank or every rank, the one said last decides each of every, first and
+pause. So ``pause(); resume("loss")`` sends only the loss, and a later
+``pause()`` stops it too. The server keeps the same :class:`SettingsTable`
+and replays its statements, oldest first, to a client that connects later,
+which so decides the same.
+
+A job whose REPL goes away keeps the settings for ``THING_CONTROL_TTL``
+seconds after its last connection ended, then returns to its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
+
+from . import wire
+
+if TYPE_CHECKING:
+    from .client import _Throttle
+
+log = logging.getLogger("thing")
+
+# Names a table holds settings or requests for; beyond, new ones are ignored (a server
+# cannot grow a job's memory, nor the time each message takes to apply, without end).
+MAX_STEERED_NAMES = 1000
+KINDS = ("every", "first", "pause")
+
+
+class Budget:
+    """How many more captures a ``first=`` set by the REPL lets through (shared by the
+    settings that carry it, so working them out again keeps the count)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, left: int):
+        self.left = left
+
+
+class Setting:
+    """What applies to one name (or to names with no statement of their own): None where
+    nothing was said."""
+
+    __slots__ = ("every", "first", "paused")
+
+    def __init__(self, every: Optional[int] = None, first: Optional[Budget] = None,
+                 paused: Optional[bool] = None):
+        self.every = every
+        self.first = first
+        self.paused = paused
+
+    def __repr__(self) -> str:
+        first = None if self.first is None else self.first.left
+        return f"Setting(every={self.every}, first={first}, paused={self.paused})"
+
+
+class Statement(NamedTuple):
+    """One thing the REPL said: ``operation`` (every, first, pause, resume) for ``name``
+    (None: every name) on ``rank`` (None: every rank), with its ``value``."""
+
+    order: int
+    operation: str
+    name: Optional[str]
+    rank: Optional[int]
+    value: int
+    budget: Optional[Budget]  # first's count, while it lasts
+
+    def __str__(self) -> str:
+        what = "all names" if self.name is None else repr(self.name)
+        said = {"every": "every call" if self.value == 1 else f"every {self.value} calls",
+                "first": f"the next {self.value} captures", "pause": "paused",
+                "resume": "sent"}[self.operation]
+        return f"{what}: {said}" + ("" if self.rank is None else f" (rank {self.rank})")
+
+
+class SettingsTable:
+    """The statements in force (see the module docstring), on the client and the server."""
+
+    def __init__(self) -> None:
+        self._statements: dict[tuple[Optional[str], Optional[int], str], Statement] = {}
+        self._order = itertools.count()
+        # first= counts of before a "forget": the replay that follows keeps them.
+        self._kept_budgets: dict[tuple[Optional[str], Optional[int], int], Budget] = {}
+
+    def apply(self, operation: str, name: Optional[str], rank: Optional[int],
+              value: int) -> bool:
+        """Apply one statement; False if ignored (a new name beyond MAX_STEERED_NAMES)."""
+        statements = self._statements
+        if operation == "forget":
+            self._kept_budgets = {(s.name, s.rank, s.value): s.budget
+                                  for s in statements.values() if s.budget is not None}
+            statements.clear()
+            return True
+        if operation == "reset":
+            for key in [key for key in statements if (name is None or key[0] == name)
+                        and (rank is None or key[1] == rank)]:
+                del statements[key]
+            return True
+        if name is not None and name not in self.names() and \
+                len(self.names()) >= MAX_STEERED_NAMES:
+            return False
+        kind = "pause" if operation in ("pause", "resume") else operation
+        # What this covers (its name or every name, its rank or every rank) can never
+        # decide again: gone, so what is listed is what decides.
+        for key in [key for key in statements if key[2] == kind
+                    and (name is None or key[0] == name) and (rank is None or key[1] == rank)]:
+            del statements[key]
+        if operation == "resume" and name is None and rank is None:
+            return True  # no pause is left for it to undo
+        budget = None
+        if operation == "first":
+            budget = self._kept_budgets.pop((name, rank, value), None) or Budget(value)
+        statements[(name, rank, kind)] = Statement(next(self._order), operation, name, rank,
+                                                   value, budget)
+        return True
+
+    def statements(self) -> list[Statement]:
+        """The statements in force, oldest first: what a later client is told, in order."""
+        return sorted(self._statements.values())
+
+    def names(self) -> set[Optional[str]]:
+        return {key[0] for key in self._statements}
+
+    def settings(self, rank: Optional[int]) -> dict[Optional[str], Setting]:
+        """What applies on ``rank``: per name with a statement of its own, and (None) for
+        every other name; only what says something."""
+        statements = self._statements
+        resolved = {}
+        for name in self.names() | {None}:
+            setting = Setting()
+            for kind in KINDS:
+                said = [statements.get((who, where, kind)) for who in {name, None}
+                        for where in {rank, None}]
+                latest = max((s for s in said if s is not None), default=None)
+                if latest is None:
+                    continue
+                if kind == "every":
+                    setting.every = latest.value
+                elif kind == "first":
+                    setting.first = latest.budget
+                else:
+                    setting.paused = latest.operation == "pause"
+            if setting.every is not None or setting.first is not None or \
+                    setting.paused is not None:
+                resolved[name] = setting
+        return resolved
+
+
+class Overrides:
+    """This process's table of what the REPL set (see the module docstring).
+
+    ``enabled=False`` (``THING_CONTROL=0``, ``Client(control=False)``) ignores
+    every message. ``rank()`` is this process's rank now, to skip messages
+    for another rank.
+    """
+
+    def __init__(self, enabled: bool, ttl: float, rank: Callable[[], Optional[int]]):
+        self.enabled = enabled
+        self.ttl = ttl
+        self._rank = rank
+        self.active = False  # anything set or requested: catch() consults the table only then
+        self._table = SettingsTable()
+        # Replaced whole by writers, never changed in place: catch() reads them unlocked.
+        self._settings: dict[Optional[str], Setting] = {}
+        self._requests: dict[str, int] = {}
+        self._write = threading.Lock()
+        self._connections: set[int] = set()  # ids of channels connected now
+        self._expires_at: Optional[float] = None  # monotonic; once no connection is left
+        self._said: set[str] = set()
+
+    # -- the training thread ---------------------------------------------------------
+
+    def admit(self, name: Optional[str], throttle: _Throttle, every: int,
+              first: Optional[int], on_demand: bool) -> tuple[int, bool]:
+        """Count a call of ``name``: ``(call number, requested)`` when it is to be sent,
+        ``(0, False)`` when not. Called by catch() while :attr:`active`."""
+        if name in self._requests and self._take_request(name):
+            return throttle.count(), True
+        settings = self._settings
+        setting = settings.get(name) or settings.get(None)
+        if setting is None:
+            if on_demand:
+                throttle.count()
+                return 0, False
+            return throttle.admit(every, first), False
+        own = name in settings
+        budget = setting.first
+        # An on-demand name goes only when asked for: a request, or a setting of its own.
+        if (setting.paused or (budget is not None and budget.left <= 0)
+                or (on_demand and not (own and (setting.every or budget)))):
+            throttle.count()
+            return 0, False
+        call = throttle.admit(setting.every or every, None if budget is not None else first)
+        if call and budget is not None:
+            budget.left -= 1
+        return call, False
+
+    def _take_request(self, name: str) -> bool:
+        with self._write:
+            left = self._requests.get(name, 0)
+            if left <= 0:
+                return False
+            requests = dict(self._requests)
+            if left == 1:
+                del requests[name]
+            else:
+                requests[name] = left - 1
+            self._requests = requests
+            self._refresh()
+            return True
+
+    # -- connection reader threads ----------------------------------------------------
+
+    def apply(self, message: wire.ControlMessage) -> None:
+        """Apply one decoded control message (if control is on and it is for this rank)."""
+        if not self.enabled:
+            self._say_once("ignored", "thing: ignoring the REPL's control messages "
+                           "(THING_CONTROL=0 or Client(control=False))")
+            return
+        if message.rank is not None and message.rank != self._rank():
+            return
+        operation, name = message.operation, message.name
+        with self._write:
+            kept = True
+            if operation == "request":
+                assert name is not None  # wire.decode_control refuses a request for no name
+                if name in self._requests or len(self._requests) < MAX_STEERED_NAMES:
+                    self._requests = {**self._requests,
+                                      name: self._requests.get(name, 0) + message.value}
+                else:
+                    kept = False
+            else:
+                if operation == "reset":  # and no call asked for is left waiting
+                    self._requests = {} if name is None else {
+                        key: left for key, left in self._requests.items() if key != name}
+                kept = self._table.apply(operation, name, message.rank, message.value)
+                self._settings = self._table.settings(self._rank())
+            self._refresh()
+        if not kept:
+            self._say_once("full", f"thing: ignoring the REPL's settings for more than "
+                                   f"{MAX_STEERED_NAMES} names")
+        log.debug("thing: the REPL set %s", message)
+
+    def connected(self, channel: int) -> None:
+        """A connection to a server is up: the settings stay (the server replays its own)."""
+        with self._write:
+            self._connections.add(channel)
+            self._expires_at = None
+
+    def disconnected(self, channel: int) -> None:
+        """A connection ended: with none left, the settings last ``ttl`` seconds more."""
+        with self._write:
+            self._connections.discard(channel)
+            if not self._connections and self.active and self._expires_at is None:
+                self._expires_at = time.monotonic() + self.ttl
+
+    def expire(self) -> bool:
+        """Drop the settings if no server connected for ``ttl`` seconds; True if it did.
+        Called by a channel's thread while it tries to reconnect."""
+        with self._write:
+            if self._expires_at is None or time.monotonic() < self._expires_at:
+                return False
+            self._forget_all()
+        log.info("thing: no REPL for %.0f s: back to this job's own every=/first=", self.ttl)
+        return True
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's connections and requests are the parent's; the
+        settings stay (the child's own connection replays the server's), for ``ttl`` at most
+        if it never connects."""
+        self._write = threading.Lock()  # a reader thread of the parent may have held it
+        self._connections = set()
+        self._requests = {}
+        self._expires_at = time.monotonic() + self.ttl if self._settings else None
+        self._refresh()
+
+    def settings(self) -> dict[Optional[str], Setting]:
+        """What applies now, by name (None: every name without a setting of its own)."""
+        return dict(self._settings)
+
+    def requests(self) -> dict[str, int]:
+        """Calls still requested, by name."""
+        return dict(self._requests)
+
+    def _forget_all(self) -> None:
+        self._table = SettingsTable()
+        self._settings, self._requests, self._expires_at = {}, {}, None
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.active = bool(self._settings or self._requests)
+
+    def _say_once(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.info(message)

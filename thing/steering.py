@@ -1,0 +1,100 @@
+"""The REPL steering running jobs: ``thing.request``, ``every``, ``first``, ``pause``, ``resume``,
+``reset``.
+
+A :class:`Steering` turns each call into a control message (``wire.CONTROL``:
+an operation from a fixed set, a name, a rank, a number) and sends it to every
+connected client that takes control. It keeps the statements in force (not
+the requests, which are for the calls of now) in the same
+:class:`~thing.overrides.SettingsTable` a client keeps, and replays them,
+oldest first, to each client that connects later, after a ``forget``: a
+restarted job decides as one connected all along, and holds nothing it no
+longer should. The client applies them (``overrides.py``); nothing in the job
+runs code from the REPL.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Optional
+
+from . import wire
+from .overrides import SettingsTable, Statement
+from .sockets import shutdown
+
+if TYPE_CHECKING:
+    from .receiver import Connection
+
+log = logging.getLogger("thing")
+
+
+class Steering:
+    """The statements of one server, and the connections they go to."""
+
+    def __init__(self) -> None:
+        # Held while sending: a client connecting meanwhile is told all before, or after.
+        self._lock = threading.Lock()
+        self._table = SettingsTable()
+        self._connections: set[Connection] = set()
+
+    def attach(self, connection: Connection) -> None:
+        """Start steering a client that has just connected: what is in force, after a
+        ``forget`` of what it may hold from before."""
+        if not connection.takes_control:
+            return
+        with self._lock:
+            self._connections.add(connection)
+            messages = [wire.encode_control("forget", None, None)] + [
+                wire.encode_control(s.operation, s.name, s.rank, s.value)
+                for s in self._table.statements()]
+            for message in messages:
+                if not self._send(connection, message):
+                    return
+
+    def detach(self, connection: Connection) -> None:
+        """Forget a connection that ended."""
+        with self._lock:
+            self._connections.discard(connection)
+
+    def apply(self, operation: str, name: Optional[str], rank: Optional[int],
+              value: int = 0) -> int:
+        """Record a statement (or send a request, or a reset) to every client; returns how
+        many connected clients it was sent to."""
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"a name is a str (or None: every name), not {name!r}")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
+                                 or not 0 <= rank < 1 << 31):
+            raise ValueError(f"rank must be a rank number (or None: every rank), not {rank!r}")
+        message = wire.encode_control(operation, name, rank, value)
+        # What a client would refuse is refused here, with its reason.
+        wire.decode_control(message[:wire.CONTROL.size], message[wire.CONTROL.size:])
+        with self._lock:
+            if operation != "request" and not self._table.apply(operation, name, rank, value):
+                raise ValueError("the REPL steers at most "
+                                 f"{len(self._table.names())} names: thing.reset() some first")
+            return sum(self._send(connection, message) for connection in list(self._connections))
+
+    def statements(self) -> list[Statement]:
+        """What is set now, oldest first."""
+        with self._lock:
+            return self._table.statements()
+
+    @property
+    def clients(self) -> int:
+        """Connected clients that take control."""
+        with self._lock:
+            return len(self._connections)
+
+    def _send(self, connection: Connection, message: bytes) -> bool:
+        """Send to one client; one that missed a message is disconnected, so that it
+        reconnects and is told everything again rather than go on steered wrong."""
+        try:
+            if connection.send_control(message):
+                return True
+            log.warning("thing: %s reads nothing of what it is sent: disconnected it",
+                        connection.address)
+        except OSError as exc:  # going away: its own thread ends it
+            log.debug("control message to %s not sent: %s", connection.address, exc)
+        self._connections.discard(connection)
+        shutdown(connection.sock)
+        return False
