@@ -94,7 +94,7 @@ def show(drawing: Drawing) -> None:
 
         display(Picture(drawing))
     else:
-        print(text(drawing, *_terminal_size(), color=_colour_terminal()), flush=True)
+        say(text(drawing, *_terminal_size(), color=_colour_terminal()))
 
 
 class Picture:
