@@ -666,9 +666,9 @@ class Channel:
         try:
             return read_server_message(stream, mac)
         except wire.BadControl as exc:
-            self._log_once(f"control:{exc}", logging.WARNING,
-                           "thing server at %s:%d: ignored a control message: %s",
-                           *self.address, exc)
+            self._log_once("control", logging.WARNING,
+                           "thing server at %s:%d: ignored a control message: %s (further "
+                           "ones are ignored without a word)", *self.address, exc)
             return None
 
     def _settle(self, acks: list[tuple[int, int, int, bytes]]) -> None:
