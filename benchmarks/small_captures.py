@@ -275,9 +275,14 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="5,000 captures, 2 trials")
     parser.add_argument("--count", type=int, default=20_000)
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--paced", action="store_true",
+                        help="only the paced rows (to compare checkouts run one after another)")
     args = parser.parse_args()
     count, trials = (5_000, 2) if args.quick else (args.count, args.trials)
     _common.print_machine("small captures, one at a time")
+    if args.paced:
+        print_paced(args.quick)
+        return 0
     size = frame_size()
     print(f"\n{count} captures of 4 float32 per trial, {trials} trials; thing's frame for one "
           f"is {size} bytes, the raw messages as long.\n")
@@ -308,14 +313,18 @@ def main() -> int:
     rate, kept = fan_in(clients, each)
     print(f"fan-in: {clients} processes x {each} captures: {rate:,.0f} captures/s aggregate, "
           f"{kept} of {clients * each} stored")
+    print_paced(args.quick)
+    return 0 if kept == clients * each else 1
+
+
+def print_paced(quick: bool) -> None:
     print("\npaced, CPU outside the caller's thread per capture (µs):")
     print(f"{'rate /s':>9}{'captures':>10}{'client':>9}{'server':>9}{'together':>10}")
-    for pace, captures in ((50, 500 if args.quick else 3_000),
-                           (5_000, 2_000 if args.quick else 20_000)):
+    for pace, captures in ((50, 500 if quick else 3_000),
+                           (5_000, 2_000 if quick else 20_000)):
         client_us, server_us = paced(pace, captures)
         print(f"{pace:>9,}{captures:>10,}{client_us:>9.1f}{server_us:>9.1f}"
               f"{client_us + server_us:>10.1f}")
-    return 0 if kept == clients * each else 1
 
 
 if __name__ == "__main__":

@@ -80,6 +80,76 @@ def test_a_malformed_frame_closes_only_after_the_acks_of_stored_ones() -> None:
     assert len(server.store) == 5
 
 
+def _read_all_acks(peer: socket.socket) -> list[tuple[int, int, int, bytes]]:
+    reply = b""
+    while chunk := peer.recv(65536):
+        reply += chunk
+    acks = []
+    while reply:
+        status, length, seq, capture_id = wire.decode_ack(reply[: wire.ACK.size])
+        acks.append((status, seq, capture_id, reply[wire.ACK.size : wire.ACK.size + length]))
+        reply = reply[wire.ACK.size + length :]
+    return acks
+
+
+def test_frames_that_came_together_are_stored_together_and_the_odd_ones_each_as_before(
+) -> None:
+    """A burst of small frames of known headers is stored as a run; a frame among them
+    that needs more (a header not seen before, a notice, one over a limit, a bad trailer)
+    is read with every check, in its place: every ack in frame order, every value exact."""
+    limits = wire.Limits(max_capture_bytes=1 << 20, max_header_bytes=4 << 10)
+    site = {"site": "train.py:1 (step)"}
+    frames, expected = [], []  # expected: (seq, name, value) stored, or (seq, None, reason)
+    for seq in range(300):
+        kind = seq % 50
+        if kind == 17:  # a header seen for the first time, halfway through the burst
+            value, name = np.arange(seq, seq + 3, dtype=np.int64), f"new-{seq}"
+        elif kind == 29:  # a notice of a capture the sender could not send: no data
+            frames.append(frame_bytes(None, "loss", seq, {"unsent": {"type": "x", "reason": "r"}}))
+            expected.append((seq, None, b""))
+            continue
+        elif kind == 41:  # over the limit: refused and read past, the run goes on after it
+            frames.append(frame_bytes(np.zeros(2 << 20, np.uint8), "loss", seq, site))
+            expected.append((seq, None, b"exceeds"))
+            continue
+        else:
+            value, name = np.float32([seq, -seq, seq / 7]), "loss"
+        frames.append(frame_bytes(value, name, seq, site))
+        expected.append((seq, name, value))
+    bad = bytearray(frame_bytes(np.float32([1, 2, 3]), "loss", 300, site))
+    bad[-wire.FRAME_TRAILER.size] ^= 0xFF  # the trailer's tag: the stream cannot be trusted
+    with thing.Server(port=0, limits=limits) as server, connect("127.0.0.1", server.port,
+                                                                10) as peer:
+        runs: list[int] = []
+        store_run = server.store.add_arrived
+        server.store.add_arrived = lambda captures, charges: (  # type: ignore[method-assign]
+            runs.append(len(captures)), store_run(captures, charges))
+        peer.sendall(wire.encode_handshake({"hostname": "raw", "pid": 1}))
+        assert wire.recv_handshake(peer)[0] == wire.HANDSHAKE_OK
+        peer.sendall(b"".join(frames) + bytes(bad))
+        acks = _read_all_acks(peer)
+        assert [seq for _, seq, _, _ in acks[:300]] == list(range(300))
+        for (status, seq, capture_id, message), (_, name, value) in zip(acks, expected):
+            if name is None and value:  # refused, with its own reason
+                assert status == wire.ACK_REJECTED and value in message, (seq, message)
+                continue
+            if name is None:  # a notice: answered, nothing stored
+                assert (status, capture_id, message) == (wire.ACK_STORED, -1, b""), seq
+                continue
+            assert status == wire.ACK_STORED, (seq, message)
+            stored = server.capture(capture_id)
+            assert stored.name == name and stored.call_site == "train.py:1 (step)"
+            assert stored.value.dtype == value.dtype
+            assert stored.value.tobytes() == value.tobytes(), seq
+        assert len(acks) == 301 and acks[300][0] == wire.ACK_REJECTED
+        assert b"trailer" in acks[300][3], acks[300][3]
+        kept = [capture.value.tobytes() for capture in server.store.get_all("loss")]
+        assert kept == [value.tobytes() for _, name, value in expected if name == "loss"]
+        assert server.received == 300 - 6 - 6  # notices and refusals are not captures
+        assert [notice.name for notice in server.store.unsent()] == ["loss"]
+        assert max(runs) > 1 and sum(runs) < server.received  # both ways were taken
+
+
 def test_a_server_closing_mid_stream_acknowledges_all_it_kept(processes) -> None:
     server = thing.Server(port=0).start()
     sender = start_script(

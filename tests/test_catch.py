@@ -10,10 +10,12 @@ import time
 import numpy as np
 
 import thing
+import thing.channel
 from thing import wire
 from thing._core import recv_buffers, send_buffers
+from thing.channel import BATCH
 
-from .conftest import free_port, run_script, start_script
+from .conftest import expect_line, free_port, poll, run_script, start_script
 
 
 def test_every_and_first_arithmetic(server: thing.Server) -> None:
@@ -295,3 +297,100 @@ def test_client_and_server_read_the_variables_catch_and_serve_read(monkeypatch) 
     assert thing.Client().address == ("example.org", 1234)
     monkeypatch.setenv("THING_PORT", "4321")
     assert thing.Server().port == 4321 and thing.Server(port=7).port == 7
+
+
+def test_small_captures_go_once_a_tick_and_at_once_when_waited_for(server: thing.Server,
+                                                                    processes) -> None:
+    """A training loop's small captures wait for the sender's tick (here a minute, so that
+    nothing but the rules below can send them); a handle's wait(), flush(), a full batch and
+    a large capture each send at once."""
+    job = start_script(
+        """
+        import sys, numpy as np, thing, thing.channel
+        thing.channel.TICK_SECONDS = 60.0
+        client = thing.Client()
+        assert client.catch(np.float32(0), name="tick").wait(30)  # sent, the tick begins
+        handles = [client.catch(np.float32(i), name="tick") for i in range(1, 6)]
+        print("queued", flush=True)
+        sys.stdin.readline()
+        assert handles[-1].wait(30), handles[-1].error
+        print("waited", all(handle.done for handle in handles), flush=True)
+        sys.stdin.readline()
+        for i in range(6, 6 + thing.channel.BATCH):
+            client.catch(np.float32(i), name="tick")
+        print("batch", flush=True)
+        sys.stdin.readline()
+        client.catch(np.ones(thing.channel.SMALL_BYTES, np.uint8), name="large")
+        print("large", flush=True)
+        sys.stdin.readline()
+        client.catch(np.float32(-1), name="flushed")
+        print("flushed", client.flush(30), flush=True)
+        """,
+        server.port, stdin=True)
+    processes.append(job)
+
+    def go() -> None:
+        job.stdin.write("\n")
+        job.stdin.flush()
+
+    def count(name: str) -> int:
+        return len(server.store.get_all(name)) if name in server.store.names() else 0
+
+    expect_line(job, "queued")
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:  # within the tick nothing sends them
+        assert count("tick") == 1
+        time.sleep(0.05)
+    go()
+    assert expect_line(job, "waited").split() == ["waited", "True"]
+    assert count("tick") == 6
+    go()
+    expect_line(job, "batch")
+    poll(lambda: count("tick") == 6 + BATCH, what="a full batch, sent at once")
+    go()
+    expect_line(job, "large")
+    poll(lambda: count("large") == 1, what="a large capture, sent at once")
+    go()
+    assert expect_line(job, "flushed").split() == ["flushed", "True"]
+    assert count("flushed") == 1
+    values = [float(value) for value in server.get_all("tick")]
+    assert values == [float(i) for i in range(6 + BATCH)]  # all, in order
+    assert job.wait(30) == 0
+
+
+def test_a_small_queue_is_sent_before_it_fills_and_wait_never_blocks_on_the_lock(
+        server: thing.Server) -> None:
+    """With room for 8 captures, small ones go once half of it is taken, not at the tick
+    (here a minute): 100 blocking catches finish. wait(timeout) keeps its timeout even
+    while the client's lock is held (a signal handler that interrupted a catch)."""
+    out = run_script(
+        """
+        import numpy as np, thing, thing.channel
+        thing.channel.TICK_SECONDS = 60.0
+        client = thing.Client(max_queue_items=8)
+        handles = [client.catch(np.float32(i), name="q", block=True) for i in range(100)]
+        print(sum(handle.wait(30) for handle in handles), client.dropped)
+        """,
+        server.port, timeout=50)
+    assert out.split() == ["100", "0"]
+    assert [float(value) for value in server.get_all("q")] == [float(i) for i in range(100)]
+
+
+
+def test_wait_keeps_its_timeout_while_the_client_lock_is_held(server: thing.Server,
+                                                              monkeypatch) -> None:
+    """wait(timeout) asks the sender to hurry without waiting for the client's lock: a
+    signal handler may wait on a handle while the catch it interrupted holds it."""
+    monkeypatch.setattr(thing.channel, "TICK_SECONDS", 60.0)
+    client = thing.Client("127.0.0.1", server.port)
+    try:
+        assert client.catch(np.float32(1), name="locked").wait(10)  # sent: the tick begins
+        handle = client.catch(np.float32(2), name="locked")  # waits for the tick
+        with client._queue.mutex:  # what the interrupted catch holds
+            started = time.monotonic()
+            assert not handle.wait(0.2)
+            assert time.monotonic() - started < 5
+        assert handle.wait(10), handle.error  # the lock is free: sent at once
+        assert [float(value) for value in server.get_all("locked")] == [1.0, 2.0]
+    finally:
+        client.close()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -183,7 +182,7 @@ def catch(
         block=block,
         step=step,
         on_demand=on_demand,
-        _frame=sys._getframe(1),
+        _depth=2,
     )
 
 

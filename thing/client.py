@@ -192,7 +192,7 @@ class Client:
         block: bool = False,
         step: int | None = None,
         on_demand: bool = False,
-        _frame: Any = None,
+        _depth: int = 1,  # frames up to the code that called catch (thing.catch: 2)
     ) -> CaptureHandle:
         """Queue ``obj``: an array (numpy, torch incl. sparse, jax), a number, a string, bytes,
         or nested lists, tuples, dicts and sets of them.
@@ -218,7 +218,7 @@ class Client:
         site = None
         try:
             if name is None:
-                name, site = self._names.name_for(_frame or sys._getframe(1))
+                name, site = self._names.name_for(sys._getframe(_depth))
             throttle = self._throttles.get(name)
             try:  # the least recently caught name is the one forgotten first
                 self._throttles.move_to_end(name)
@@ -233,13 +233,13 @@ class Client:
             else:
                 call, requested = throttle.admit(int(every), first), False
             if on_demand and name not in self._announced:  # the REPL hears of it once
-                self._announce(server, name, site, obj, _frame)
+                self._announce(server, name, site, obj, _depth + 1)
             if not call:
                 return SKIPPED
             if step is not None:
                 step = _step_of(step)
             if site is None:  # given a name: where it was caught still helps describe()
-                site = self._names.site_for(_frame or sys._getframe(1))
+                site = self._names.site_for(sys._getframe(_depth))
             channel = self._channels.get(server) or self._open_channel(server)
             if channel is None:
                 return CLOSED
@@ -260,8 +260,9 @@ class Client:
             return CaptureHandle(name, f"not sent: {reason}")
 
     def _announce(self, server: str | None, name: str | None, site: CallSite | None, obj: Any,
-                  frame: Any) -> None:
-        """Tell the server an on-demand name exists (at its first call here; no data)."""
+                  depth: int) -> None:
+        """Tell the server an on-demand name exists (at its first call here; no data);
+        ``depth`` frames up is the code that caught it."""
         if len(self._announced) >= self._max_names:
             return
         self._announced.add(name)
@@ -269,7 +270,7 @@ class Client:
         if channel is None or not self._overrides.enabled:
             return  # a job that refuses steering lists nothing that could never be asked for
         if site is None:
-            site = self._names.site_for(frame or sys._getframe(2))
+            site = self._names.site_for(sys._getframe(depth))
         channel.announce(name, site, self._rank.read(), obj)
 
     def _tell_server(self, server: str | None, name: str | None, site: CallSite | None,
@@ -338,6 +339,8 @@ class Client:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued capture was sent and acknowledged; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        for channel in list(self._channels.values()):
+            channel.hurry()
         with self._lock:
             while any(channel.busy for channel in self._channels.values()):
                 remaining = None if deadline is None else deadline - time.monotonic()

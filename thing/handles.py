@@ -9,6 +9,7 @@ no server, a full queue, a closed client, a lost connection, ...).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 _allocate_lock = threading.Lock
 
@@ -19,12 +20,15 @@ class CaptureHandle:
     ``id`` is the server's id for it once acknowledged; ``error`` says why not.
     """
 
-    __slots__ = ("name", "id", "error", "_pending")
+    __slots__ = ("name", "id", "error", "_pending", "_hurry")
 
-    def __init__(self, name: str | None, error: str | None = None):
+    def __init__(self, name: str | None, error: str | None = None,
+                 hurry: Callable[[], None] | None = None):
         self.name = name
         self.id: int | None = None
         self.error = error
+        # Asks the sender to send now: small captures otherwise wait for company.
+        self._hurry = hurry
         self._pending = None
         if error is None:
             self._pending = _allocate_lock()
@@ -38,6 +42,9 @@ class CaptureHandle:
         """
         pending = self._pending
         if pending is not None:
+            # A look (timeout 0) asks for nothing: polling must not undo the batching.
+            if self._hurry is not None and timeout != 0 and pending.locked():
+                self._hurry()
             if not pending.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
                 return False
             pending.release()

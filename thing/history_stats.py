@@ -1,11 +1,14 @@
 """Statistics over a name's history: a row per capture, worked out once, off the receive path.
 
 A :class:`StatsWorker` computes each capture's statistics (``array_stats.py``) after
-it is stored, on one background thread, preferably in the pauses between
-arrivals (none for ``IDLE_GAP``), and under steady traffic after
-``MAX_IDLE_WAIT`` anyway: either way it takes at most ``share`` of a core,
-resting in proportion to the time it worked. Receiving threads only hand it
-a capture's id (a bounded queue's append), and it holds no capture alive:
+it is stored, on one background thread. Woken by an arrival, it lets others
+gather (``COLLECT_SECONDS``) and starts in a pause between them (none for
+``IDLE_GAP``), or under steady traffic after ``MAX_IDLE_WAIT`` anyway; then
+it works through what waits in slices of ``SLICE_SECONDS``, resting in
+proportion after each, so that it takes at most ``share`` of a core.
+Receiving threads only hand it a capture's id (a bounded queue's append;
+the thread is woken only from sleep, not for every capture: a wake-up costs
+more than a small capture's statistics), and it holds no capture alive:
 one evicted before its turn is skipped. The REPL's ``thing.stats`` reads
 what it cached, and works out on its own thread what it has not reached yet
 (and everything, for a recording opened with no server).
@@ -35,7 +38,11 @@ COLUMNS = ("step", "arrived", "shape", "min", "max", "mean", "std", "norm", "nan
 EXACT_SPECTRAL_ELEMENTS = 1 << 22
 MAX_WAITING = 10_000  # ids the worker may have queued; beyond, they wait for stats()
 IDLE_GAP = 0.02  # seconds without an arrival before the worker starts on what waits
+# Woken by an arrival, the worker lets others come for this long first: at a training
+# loop's pace one wake-up then serves a dozen captures, not one.
+COLLECT_SECONDS = 0.25
 MAX_IDLE_WAIT = 1.0  # under steady traffic it works anyway after this long, within its share
+SLICE_SECONDS = 0.005  # work done between rests: one wake-up per slice, not per capture
 
 
 @dataclass
@@ -151,35 +158,49 @@ class StatsWorker:
     def _arrived(self, capture: Capture) -> None:
         self._last_arrival = time.monotonic()
         self._waiting.append(capture.id)
-        self._wake.set()
+        if not self._wake.is_set():  # asleep, or about to be: see _run
+            self._wake.set()
 
     def _run(self) -> None:
         while not self._closing.is_set():
-            try:
-                capture_id = self._waiting.popleft()
-            except IndexError:
+            if not self._waiting:
+                # Cleared before looking again: an arrival after the look sets it anew.
                 self._wake.clear()
                 if not self._waiting:
                     self._wake.wait()
-                continue
-            give_up = time.monotonic() + MAX_IDLE_WAIT
-            while (quiet := time.monotonic() - self._last_arrival) < IDLE_GAP:
-                if time.monotonic() >= give_up:
-                    break
-                if self._closing.wait(IDLE_GAP - quiet):
-                    return
-            try:
-                capture = self.store.get(capture_id)
-            except UnknownName:  # evicted or cleared before its turn
+                    if not self._wait_for_a_pause():
+                        return
                 continue
             started = time.perf_counter()
-            try:
-                capture_stats(capture)
-            except Exception:  # a value it cannot read must not end the worker
-                log.debug("no statistics for capture %d", capture_id, exc_info=True)
-            del capture  # while it waits for the next, it must not keep this one's memory
+            while self._waiting and time.perf_counter() - started < SLICE_SECONDS:
+                self._work_on(self._waiting.popleft())
             # Rest so that working takes at most `share` of the time.
-            self._closing.wait((time.perf_counter() - started) * (1 / self.share - 1))
+            if self._closing.wait((time.perf_counter() - started) * (1 / self.share - 1)):
+                return
+
+    def _wait_for_a_pause(self) -> bool:
+        """Woken by an arrival: let others come for COLLECT_SECONDS, then wait for a pause
+        in them (IDLE_GAP), or MAX_IDLE_WAIT under steady traffic; False once closing.
+        From then on the worker keeps at it, within its share, until nothing waits."""
+        if self._closing.wait(COLLECT_SECONDS):
+            return False
+        give_up = time.monotonic() + MAX_IDLE_WAIT
+        while (quiet := time.monotonic() - self._last_arrival) < IDLE_GAP:
+            if time.monotonic() >= give_up:
+                break
+            if self._closing.wait(IDLE_GAP - quiet):
+                return False
+        return True
+
+    def _work_on(self, capture_id: int) -> None:
+        try:
+            capture = self.store.get(capture_id)
+        except UnknownName:  # evicted or cleared before its turn
+            return
+        try:
+            capture_stats(capture)
+        except Exception:  # a value it cannot read must not end the worker
+            log.debug("no statistics for capture %d", capture_id, exc_info=True)
 
 
 class StatsTable:

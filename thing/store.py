@@ -275,6 +275,10 @@ class HistoryStore:
                 raise LimitExceeded("the store is full of captures still being received")
             self._reserved += nbytes
 
+    def could_reserve(self, nbytes: int) -> bool:
+        """Whether :meth:`reserve` would take ``nbytes`` now (a look, not a claim)."""
+        return self._reserved + nbytes + RECORD_BYTES <= self.max_bytes
+
     def fill(self, nbytes: int) -> None:
         """``nbytes`` of a claim are arriving now: evict the oldest captures to hold them.
 
@@ -363,20 +367,48 @@ class HistoryStore:
                 )
             capture = Capture(self._next_id, name, value, leaves, nbytes, sender, **details)
             self._reserved -= nbytes
-            self._held -= nbytes  # filled: _insert charges it again, with the record's cost
-            self._insert(capture, nbytes + extra)
-            if name is not None:
-                self._trim(self._by_name[name])
-            self._make_room()  # the record's own cost was not reserved
-            listeners = self._listeners
-            if self._sleepers:
-                self._changed.notify_all()
-        for listener in listeners:
-            try:
-                listener(capture)
-            except Exception:  # stored and charged already: a listener must not undo that
-                log.exception("a listener of the history failed on capture %d", capture.id)
+            self._held -= nbytes  # filled: _keep charges it again, with the record's cost
+            listeners = self._keep([capture], [nbytes + extra])
+        self._tell(listeners, [capture])
         return capture
+
+    def add_arrived(self, captures: list[Capture], charges: list[int]) -> None:
+        """Store received captures, in order, under one lock: each one's bytes are already
+        here (nothing was reserved for them) and ``charges`` holds what each costs, its
+        arrays and :meth:`record_bytes`, each well within the cap. Their ids are given here.
+
+        A receiver's run of small frames that came together (see receiver.py).
+        """
+        with self._lock:
+            now = time.time()  # under the lock, as add() does: arrival order is id order
+            for capture in captures:
+                capture.id = self._next_id
+                capture.received_at = now
+                self._next_id += 1
+            listeners = self._keep(captures, charges)
+        self._tell(listeners, captures)
+
+    def _keep(self, captures: list[Capture], charges: list[int]
+              ) -> list[Callable[[Capture], None]]:
+        """Hold new captures as the newest, evicting to keep the cap; wake those waiting for
+        them. Returns the listeners to tell (the caller holds the lock)."""
+        for capture, charge in zip(captures, charges):
+            self._insert(capture, charge)
+            if capture.name is not None:
+                self._trim(self._by_name[capture.name])
+        self._make_room()  # the records' own cost was not reserved
+        if self._sleepers:
+            self._changed.notify_all()
+        return self._listeners
+
+    @staticmethod
+    def _tell(listeners: list[Callable[[Capture], None]], captures: list[Capture]) -> None:
+        for capture in captures:
+            for listener in listeners:
+                try:
+                    listener(capture)
+                except Exception:  # stored and charged already: a listener must not undo that
+                    log.exception("a listener of the history failed on capture %d", capture.id)
 
     def restore(self, captures: list[Capture], charges: list[int]) -> None:
         """Add captures read back from a recording, each charged its ``charges`` entry.

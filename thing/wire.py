@@ -751,9 +751,10 @@ def _build_sparse(body: dict[str, Any], leaves: list[Any], frameworks: bool) -> 
 
 def encode_ack(seq: int, capture_id: int, error: str | None = None) -> bytes:
     """The server's answer to one frame: stored under ``capture_id``, or rejected with ``error``."""
-    message = (error or "").encode()
-    status = ACK_REJECTED if error is not None else ACK_STORED
-    return ACK.pack(ACK_TAG, status, len(message), seq, capture_id) + message
+    if error is None:  # every stored small capture: kept short
+        return ACK.pack(ACK_TAG, ACK_STORED, 0, seq, capture_id)
+    message = error.encode()
+    return ACK.pack(ACK_TAG, ACK_REJECTED, len(message), seq, capture_id) + message
 
 
 def decode_ack(prefix: bytes) -> tuple[int, int, int, int]:
