@@ -66,6 +66,8 @@ TIMEOUT = 120.0
 TARGET_THROTTLED_NS = 1_000
 TARGET_ENQUEUED_NS = 10_000
 TARGET_SLOWDOWN = 0.03
+# With one torch thread a core is left to thing's threads and the server: less is allowed.
+TARGET_SLOWDOWN_ONE_THREAD = 0.01
 
 
 def noop(obj):
@@ -478,10 +480,11 @@ def main() -> int:
             # the machine's load, and the median of the ratios ignores a disturbed round.
             slowdown = statistics.median(
                 c / p for p, c in zip(result["plain"], result["caught"])) - 1
-            verdict = "meets" if slowdown <= TARGET_SLOWDOWN else "MISSES"
+            target = TARGET_SLOWDOWN_ONE_THREAD if count == 1 else TARGET_SLOWDOWN
+            verdict = "meets" if slowdown <= target else "MISSES"
             print(f"  {count} torch thread{'s' if count > 1 else ''}, {result['steps']} steps a "
                   f"round: slowdown {slowdown * 100:+.2f}% (median of the rounds' ratios; "
-                  f"{slowdown * plain * 1e6:+.0f} us/step), target <= {TARGET_SLOWDOWN:.0%}: "
+                  f"{slowdown * plain * 1e6:+.0f} us/step), target <= {target:.0%}: "
                   f"{verdict}")
             for label, values, middle in (("without thing", result["plain"], plain),
                                           ("with thing", result["caught"], caught)):

@@ -21,6 +21,10 @@ receiver keeps every message, in order, and the last one is checked bit-exact.
 - ``fan-in``: 32 client processes × 2,000 captures each (``block=True``) into
   one thing server, started together; aggregate rate from the first process
   started to the last one's last acknowledgement, every capture counted.
+- ``server alone``: the server's side by itself: 50,000 ready-made frames of
+  the same capture (numbered, as a client numbers them) written by a raw
+  socket as fast as it takes them, the acknowledgements read by another
+  thread; frames/s and the server process's CPU per frame.
 - ``paced``: a training loop's pace instead of a flood: one capture every
   1/50 s and every 1/5,000 s, on a schedule, and the CPU it costs outside the
   caller's thread: the client process's other threads (its process CPU less
@@ -241,6 +245,52 @@ def fan_in(clients: int, each: int) -> tuple[float, int]:
     return kept / elapsed, kept
 
 
+def server_alone(count: int) -> tuple[float, float]:
+    """(frames/s, server CPU µs per frame) for ``count`` ready-made frames from a raw socket."""
+    import threading
+
+    from thing import wire
+    from thing.arrays import leaf_bytes
+
+    server = subprocess.Popen([sys.executable, "-c", THING_RECEIVER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=child_env())
+    port = int(server.stdout.readline())
+    payload = wire.take_apart(VALUE)
+    header = wire.encode_header("s", payload, {"site": "train.py:42 (step)", "rank": 0,
+                                               "world_size": 2})
+    data, trailer = bytes(leaf_bytes(payload.leaves[0])), wire.encode_trailer(False)
+    frames = b"".join(wire.encode_prefix(header, payload.nbytes, seq, time.time(), call=seq + 1)
+                      + header + data + trailer for seq in range(count))
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(wire.encode_handshake({"hostname": "bench", "pid": os.getpid()}))
+            assert wire.recv_handshake(sock)[0] == wire.HANDSHAKE_OK
+            answered = bytearray()
+
+            def read_acks() -> None:
+                while len(answered) < count * wire.ACK.size:
+                    chunk = sock.recv(1 << 20)
+                    if not chunk:
+                        return
+                    answered.extend(chunk)
+
+            reader = threading.Thread(target=read_acks)
+            served, started = cpu_seconds(server.pid), time.perf_counter()
+            reader.start()
+            sock.sendall(frames)
+            reader.join(120)
+            elapsed = time.perf_counter() - started
+            served = cpu_seconds(server.pid) - served
+        stored = sum(wire.decode_ack(answered[at:at + wire.ACK.size])[0] == wire.ACK_STORED
+                     for at in range(0, len(answered), wire.ACK.size))
+        if stored != count:
+            raise RuntimeError(f"the server stored {stored} of {count} frames")
+    finally:
+        server.stdin.close()
+        server.wait()
+    return count / elapsed, served / count * 1e6
+
+
 def paced(rate: float, count: int) -> tuple[float, float]:
     """Background CPU per capture at ``rate`` captures/s: (client's other threads, server), µs."""
     import thing
@@ -313,6 +363,10 @@ def main() -> int:
     rate, kept = fan_in(clients, each)
     print(f"fan-in: {clients} processes x {each} captures: {rate:,.0f} captures/s aggregate, "
           f"{kept} of {clients * each} stored")
+    alone = [server_alone(50_000) for _ in range(trials)]
+    print(f"server alone: {median([rate for rate, _ in alone]):,.0f} frames/s, "
+          f"{median([cpu for _, cpu in alone]):.1f} µs of server CPU per frame "
+          f"(median of {trials})")
     print_paced(args.quick)
     return 0 if kept == clients * each else 1
 

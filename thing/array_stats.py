@@ -62,14 +62,16 @@ def array_stats(value: Any, spec: LeafSpec | None = None) -> ArrayStats | None:
     # Values near the float64 limits overflow a square: the result says inf, not a warning
     # printed from whichever thread (the REPL's, the background worker's) asked.
     with np.errstate(all="ignore"):
+        if _size(flat) == 1:
+            return _one_value_stats(flat, to_float, magnitude, exact_int)
         return _chunked_stats(flat, to_float, magnitude, exact_int)
 
 
 def _chunked_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool) -> ArrayStats:
+    size = _size(flat)
     count = finite = nan = inf = 0
     lo = hi = None
     mean = m2 = sumsq = 0.0
-    size = _size(flat)
     for start in range(0, size, STATS_CHUNK):
         raw = _chunk(flat, start, start + STATS_CHUNK)
         x = to_float(raw)
@@ -95,7 +97,9 @@ def _chunked_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool) -
         total = finite + n
         delta = chunk_mean - mean
         mean += delta * n / total
-        m2 += chunk_m2 + delta * delta * finite * n / total
+        m2 += chunk_m2
+        if finite:  # (the first chunk has no cross term: delta² of 1e200 is inf, and inf·0 NaN)
+            m2 += delta * delta * finite * n / total
         # Not np.dot: BLAS would start its thread pool, whose threads spin on every core
         # for a while after each call (measured: +40 % on a training loop beside the REPL).
         sumsq += chunk_m2 + n * chunk_mean * chunk_mean
@@ -104,6 +108,22 @@ def _chunked_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool) -
         return ArrayStats(count, 0, nan, inf, None, None, None, None, None, magnitude)
     return ArrayStats(count, finite, nan, inf, lo, hi, mean, math.sqrt(m2 / finite),
                       math.sqrt(sumsq), magnitude)
+
+
+def _one_value_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool
+                     ) -> ArrayStats:
+    """What :func:`_chunked_stats` makes of a single value, bit for bit, without its seven
+    reductions: most captures of a training loop are one number (a loss, a rate), and the
+    background worker describes every one."""
+    raw = _chunk(flat, 0, 1)
+    value = float(to_float(raw)[0])
+    if value != value:
+        return ArrayStats(1, 0, 1, 0, None, None, None, None, None, magnitude)
+    if math.isinf(value):
+        return ArrayStats(1, 0, 0, 1, None, None, None, None, None, magnitude)
+    extreme = int(raw[0]) if exact_int else value
+    return ArrayStats(1, 1, 0, 0, extreme, extreme, value, 0.0, math.sqrt(value * value),
+                      magnitude)
 
 
 def value_histogram(value: Any, spec: LeafSpec | None, bins: int, low: float, high: float

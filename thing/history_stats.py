@@ -2,10 +2,11 @@
 
 A :class:`StatsWorker` computes each capture's statistics (``array_stats.py``) after
 it is stored, on one background thread. Woken by an arrival, it lets others
-gather (``COLLECT_SECONDS``) and starts in a pause between them (none for
-``IDLE_GAP``), or under steady traffic after ``MAX_IDLE_WAIT`` anyway; then
-it works through what waits in slices of ``SLICE_SECONDS``, resting in
-proportion after each, so that it takes at most ``share`` of a core.
+gather (``COLLECT_SECONDS``); then it works through what waits in slices of
+``SLICE_SECONDS``, each in a pause between arrivals (none for ``IDLE_GAP``),
+or under steady traffic after ``MAX_IDLE_WAIT`` anyway, resting in
+proportion after each, so that it takes at most ``share`` of a core and
+never competes with a burst being received for long.
 Receiving threads only hand it a capture's id (a bounded queue's append;
 the thread is woken only from sleep, not for every capture: a wake-up costs
 more than a small capture's statistics), and it holds no capture alive:
@@ -39,8 +40,9 @@ EXACT_SPECTRAL_ELEMENTS = 1 << 22
 MAX_WAITING = 10_000  # ids the worker may have queued; beyond, they wait for stats()
 IDLE_GAP = 0.02  # seconds without an arrival before the worker starts on what waits
 # Woken by an arrival, the worker lets others come for this long first: at a training
-# loop's pace one wake-up then serves a dozen captures, not one.
-COLLECT_SECONDS = 0.25
+# loop's pace one wake-up then serves fifty captures, not one (statistics not worked out
+# yet are worked out when asked for, so a plot never waits for this).
+COLLECT_SECONDS = 1.0
 MAX_IDLE_WAIT = 1.0  # under steady traffic it works anyway after this long, within its share
 SLICE_SECONDS = 0.005  # work done between rests: one wake-up per slice, not per capture
 
@@ -168,9 +170,11 @@ class StatsWorker:
                 self._wake.clear()
                 if not self._waiting:
                     self._wake.wait()
-                    if not self._wait_for_a_pause():
+                    if self._closing.wait(COLLECT_SECONDS):  # let others come first
                         return
                 continue
+            if not self._wait_for_a_pause():
+                return
             started = time.perf_counter()
             while self._waiting and time.perf_counter() - started < SLICE_SECONDS:
                 self._work_on(self._waiting.popleft())
@@ -179,11 +183,8 @@ class StatsWorker:
                 return
 
     def _wait_for_a_pause(self) -> bool:
-        """Woken by an arrival: let others come for COLLECT_SECONDS, then wait for a pause
-        in them (IDLE_GAP), or MAX_IDLE_WAIT under steady traffic; False once closing.
-        From then on the worker keeps at it, within its share, until nothing waits."""
-        if self._closing.wait(COLLECT_SECONDS):
-            return False
+        """Wait for a pause in arrivals (IDLE_GAP), or MAX_IDLE_WAIT under steady traffic,
+        so that a burst is received first; False once closing."""
         give_up = time.monotonic() + MAX_IDLE_WAIT
         while (quiet := time.monotonic() - self._last_arrival) < IDLE_GAP:
             if time.monotonic() >= give_up:
