@@ -38,7 +38,9 @@ class CaptureHandle:
         """Wait for the outcome; True once the capture is stored and visible in the REPL.
 
         False when it was refused or not sent (``error`` says why), or when
-        ``timeout`` seconds passed first (then ``done`` is still False).
+        ``timeout`` seconds passed first (then ``done`` is still False). A
+        small capture still queued is sent at once rather than with the
+        sender's next tick (``wait(0)`` only looks).
         """
         pending = self._pending
         if pending is not None:
