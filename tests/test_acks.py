@@ -59,28 +59,8 @@ def test_stored_and_oversized_captures_each_get_their_own_outcome(processes) -> 
         assert server.received == 10 and server.dropped_transfers == 20
 
 
-def test_a_malformed_frame_closes_only_after_the_acks_of_stored_ones() -> None:
-    with thing.Server(port=0) as server, connect("127.0.0.1", server.port, 10) as peer:
-        peer.sendall(wire.encode_handshake({"hostname": "raw", "pid": 1}))
-        status, _ = wire.recv_handshake(peer)
-        assert status == wire.HANDSHAKE_OK
-        frames = b"".join(frame_bytes(np.arange(i + 1), f"good-{i}", seq=i) for i in range(5))
-        peer.sendall(frames + b"XX" + bytes(wire.FRAME_PREFIX.size - 2))  # a prefix that is none
-        reply = b""
-        while chunk := peer.recv(65536):
-            reply += chunk
-    acks = []
-    while reply:
-        status, length, seq, capture_id = wire.decode_ack(reply[: wire.ACK.size])
-        acks.append((status, seq, reply[wire.ACK.size : wire.ACK.size + length]))
-        reply = reply[wire.ACK.size + length :]
-    assert [(status, seq) for status, seq, _ in acks[:5]] == [(wire.ACK_STORED, i)
-                                                                 for i in range(5)]
-    assert len(acks) == 6 and acks[5][0] == wire.ACK_REJECTED and b"prefix" in acks[5][2]
-    assert len(server.store) == 5
-
-
 def _read_all_acks(peer: socket.socket) -> list[tuple[int, int, int, bytes]]:
+    """Every acknowledgement a server sends until it hangs up: (status, seq, id, message)."""
     reply = b""
     while chunk := peer.recv(65536):
         reply += chunk
@@ -90,6 +70,20 @@ def _read_all_acks(peer: socket.socket) -> list[tuple[int, int, int, bytes]]:
         acks.append((status, seq, capture_id, reply[wire.ACK.size : wire.ACK.size + length]))
         reply = reply[wire.ACK.size + length :]
     return acks
+
+
+def test_a_malformed_frame_closes_only_after_the_acks_of_stored_ones() -> None:
+    with thing.Server(port=0) as server, connect("127.0.0.1", server.port, 10) as peer:
+        peer.sendall(wire.encode_handshake({"hostname": "raw", "pid": 1}))
+        status, _ = wire.recv_handshake(peer)
+        assert status == wire.HANDSHAKE_OK
+        frames = b"".join(frame_bytes(np.arange(i + 1), f"good-{i}", seq=i) for i in range(5))
+        peer.sendall(frames + b"XX" + bytes(wire.FRAME_PREFIX.size - 2))  # a prefix that is none
+        acks = _read_all_acks(peer)
+    assert [(status, seq) for status, seq, _, _ in acks[:5]] == [(wire.ACK_STORED, i)
+                                                                    for i in range(5)]
+    assert len(acks) == 6 and acks[5][0] == wire.ACK_REJECTED and b"prefix" in acks[5][3]
+    assert len(server.store) == 5
 
 
 def test_frames_that_came_together_are_stored_together_and_the_odd_ones_each_as_before(
