@@ -13,7 +13,7 @@ import thing
 import thing.channel
 from thing import wire
 from thing._core import recv_buffers, send_buffers
-from thing.channel import BATCH
+from thing.channel import BATCH, SMALL_BYTES
 
 from .conftest import expect_line, free_port, poll, run_script, start_script
 
@@ -392,5 +392,22 @@ def test_wait_keeps_its_timeout_while_the_client_lock_is_held(server: thing.Serv
             assert time.monotonic() - started < 5
         assert handle.wait(10), handle.error  # the lock is free: sent at once
         assert [float(value) for value in server.get_all("locked")] == [1.0, 2.0]
+    finally:
+        client.close()
+
+
+def test_a_large_capture_wakes_an_idle_sender_even_after_a_hurry_that_found_the_lock_taken(
+        server: thing.Server) -> None:
+    """A hurry that could not take the client's lock leaves a flag and no wake-up; the
+    next capture that must go at once still wakes the sender, asleep with nothing queued."""
+    client = thing.Client("127.0.0.1", server.port)
+    try:
+        assert client.catch(np.float32(1), name="first").wait(10)
+        channel = client._channels[None]
+        poll(lambda: channel._idle, what="the sender asleep after a quiet tick")
+        with client._queue.mutex:  # a catch interrupted by a signal handler holds it
+            channel.hurry()  # from that handler: it cannot take the lock
+        client.catch(np.ones(SMALL_BYTES, np.uint8), name="big")  # sent at once; no wait
+        poll(lambda: "big" in server.store.names(), timeout=10, what="the large capture")
     finally:
         client.close()

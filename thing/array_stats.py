@@ -122,7 +122,8 @@ def _one_value_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool
     if math.isinf(value):
         return ArrayStats(1, 0, 0, 1, None, None, None, None, None, magnitude)
     extreme = int(raw[0]) if exact_int else value
-    return ArrayStats(1, 1, 0, 0, extreme, extreme, value, 0.0, math.sqrt(value * value),
+    # 0.0 + value: the loop's running mean starts at 0.0, which makes a -0.0 mean +0.0.
+    return ArrayStats(1, 1, 0, 0, extreme, extreme, 0.0 + value, 0.0, math.sqrt(value * value),
                       magnitude)
 
 

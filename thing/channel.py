@@ -166,6 +166,7 @@ class Channel:
         # and whether what is queued must go at once (see _wait_for_captures).
         self._idle = False
         self._send_now = False
+        self._queued_bytes = 0  # of the captures in _queue
         # Sent and awaiting the server's ack, in the order they were sent (dicts keep it).
         self._inflight: dict[int, Pending] = {}
         self._seq = itertools.count()
@@ -180,8 +181,10 @@ class Channel:
         self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
         self._closed = False
         self._warned: set[str] = set()
-        # Until the first attempt to connect has failed, captures wait for it.
+        # Until the first attempt to connect has failed, captures wait for it. While down,
+        # catch() answers with down_handle: why the last attempt failed.
         self.down = False
+        self.down_handle = NO_SERVER
         self._thread = threading.Thread(
             target=self._run, name=f"thing-send-{address[0]}:{address[1]}", daemon=True
         )
@@ -251,6 +254,11 @@ class Channel:
         with self._mutex:
             if self._closed:
                 return CLOSED
+            if self.down:  # failed since the caller looked: queued now, it would wait for
+                # the next attempt and be told that one's reason, not its own
+                if pending.notice is None:
+                    self._room.undelivered["no server"] += 1
+                return self.down_handle
             if not self._room.take(nbytes, block):
                 return QUEUE_FULL
         try:
@@ -267,16 +275,18 @@ class Channel:
                 return CLOSED
             queue = self._queue
             queue.append(pending)
+            self._queued_bytes += nbytes
             # A small capture wakes nobody while the sender keeps its tick or is busy (waking
             # it costs the training loop more than the capture): it goes with the next batch,
-            # unless the client's queue is half full (a small THING_QUEUE_ITEMS must not drop).
-            room = self._room
-            if (nbytes >= SMALL_BYTES or len(queue) >= BATCH or pending.requested
-                    or 2 * room.items > room.max_items or 2 * room.bytes > room.max_bytes):
-                if not self._send_now:
-                    self._send_now = True
-                    self._wake.notify_all()
-            elif self._idle:
+            # unless what waits here is half of what the client may hold (a small
+            # THING_QUEUE_ITEMS must not drop what a send would have made room for).
+            wake = self._idle
+            if not self._send_now and (
+                    nbytes >= SMALL_BYTES or len(queue) >= BATCH or pending.requested
+                    or 2 * len(queue) > self._room.max_items
+                    or 2 * self._queued_bytes > self._room.max_bytes):
+                self._send_now = wake = True
+            if wake:
                 self._idle = False
                 self._wake.notify_all()
         return pending.handle
@@ -477,6 +487,7 @@ class Channel:
         """Empty the queue, giving back its room and counting it (the caller holds the lock)."""
         dropped = list(self._queue)
         self._queue.clear()
+        self._queued_bytes = 0
         for pending in dropped:
             self._room.give_back(pending.payload.nbytes)
         # A notice is not a capture: the capture it is about was counted as "failed".
@@ -486,15 +497,18 @@ class Channel:
         return dropped
 
     def _set_down(self, reason: Exception) -> None:
+        refused = isinstance(reason, HandshakeError)  # a server is there: say why not it
+        why = f"not sent: {reason}" if refused else NO_SERVER.error
         with self._mutex:
             first_failure = not self.down
+            if why != self.down_handle.error:
+                self.down_handle = CaptureHandle(None, why) if refused else NO_SERVER
             self.down = True
             dropped = self._take_queue("no server")
-        why = f"not sent: {reason}" if isinstance(reason, HandshakeError) else NO_SERVER.error
         for pending in dropped:
             pending.handle.resolve(None, why)
         if first_failure:
-            if isinstance(reason, HandshakeError):
+            if refused:
                 log.warning("cannot use the thing server at %s:%d: %s", *self.address, reason)
             else:
                 log.debug("no thing server at %s:%d (%s); will keep trying", *self.address, reason)
@@ -514,7 +528,7 @@ class Channel:
                     seq = next(self._seq)
                     self._inflight[seq] = pending
                     batch.append((seq, pending))
-                self._send_now = False
+                self._send_now, self._queued_bytes = False, 0
                 undelivered = tuple(sorted(self._room.undelivered.items()))
                 next_tick = time.monotonic() + TICK_SECONDS  # a tick from this batch, not its end
             self._send_batch(sock, mac, batch, undelivered)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import config
 from .errors import UnsupportedType
-from .handles import CLOSED, NO_SERVER, SKIPPED, CaptureHandle
+from .handles import CLOSED, SKIPPED, CaptureHandle
 from .names import CallSite, NameTracer
 
 if TYPE_CHECKING:
@@ -246,7 +246,7 @@ class Client:
             if channel.down:
                 with self._lock:
                     self._queue.undelivered["no server"] += 1
-                return NO_SERVER
+                return channel.down_handle
             return channel.enqueue(name, obj, site, self._rank.read(), block, copy,
                                    self.snapshot_bytes, call, step, requested)
         except Exception as exc:  # catch() must never raise into a training loop

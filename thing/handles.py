@@ -45,7 +45,7 @@ class CaptureHandle:
         pending = self._pending
         if pending is not None:
             # A look (timeout 0) asks for nothing: polling must not undo the batching.
-            if self._hurry is not None and timeout != 0 and pending.locked():
+            if self._hurry is not None and (timeout is None or timeout > 0) and pending.locked():
                 self._hurry()
             if not pending.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
                 return False
