@@ -19,8 +19,8 @@ receiver keeps every message, in order, and the last one is checked bit-exact.
   ``wait()`` on the last; the server keeps its history as a user's does
   (every capture kept, no ``max_versions``).
 - ``fan-in``: 32 client processes × 2,000 captures each (``block=True``) into
-  one thing server, started together; aggregate rate from the first process
-  started to the last one's last acknowledgement, every capture counted.
+  one thing server, started together once all are connected; aggregate rate
+  from that start to the last one's last acknowledgement, every capture counted.
 - ``server alone``: the server's side by itself: 50,000 ready-made frames of
   the same capture (numbered, as a client numbers them) written by a raw
   socket as fast as it takes them, the acknowledgements read by another
@@ -97,13 +97,18 @@ for line in sys.stdin:
 """
 
 FAN_IN_CLIENT = """
-import sys, numpy as np, thing
+import sys, time, numpy as np, thing
 client = thing.Client("127.0.0.1", int(sys.argv[1]))
 value = np.arange(4, dtype=np.float32)
+assert client.catch(value, name="warm").wait(120)  # imported and connected
+print("ready", flush=True)
 sys.stdin.readline()  # go
+cpu = time.process_time()
 for _ in range(int(sys.argv[2])):
     handle = client.catch(value, name="fan", block=True)
 assert handle.wait(120), handle.error
+# The last acknowledgement (one clock for all processes), and this process's CPU for all.
+print(time.monotonic(), time.process_time() - cpu, flush=True)
 client.close()
 """
 
@@ -220,29 +225,46 @@ client.close()
 """
 
 
-def fan_in(clients: int, each: int) -> tuple[float, int]:
-    """Aggregate captures/s of ``clients`` processes into one server, and how many arrived."""
+def fan_in(clients: int, each: int) -> tuple[float, int, float, float]:
+    """Aggregate captures/s of ``clients`` processes into one server, how many arrived, and
+    the CPU per capture of the clients (all threads) and of the server, in µs.
+
+    The clock runs from "go", once every client has imported thing and had a
+    capture acknowledged, to the last acknowledgement of the last client
+    (``time.monotonic`` is one clock for every process on the machine).
+    """
     server = subprocess.Popen([sys.executable, "-c", THING_RECEIVER], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=child_env())
     port = server.stdout.readline().strip()
     children = [subprocess.Popen([sys.executable, "-c", FAN_IN_CLIENT, port, str(each)],
-                                 stdin=subprocess.PIPE, env=child_env(), text=True)
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 env=child_env(), text=True)
                 for _ in range(clients)]
-    time.sleep(3)  # let them import and connect; the clock starts at "go"
-    started = time.perf_counter()
+    for child in children:
+        if child.stdout.readline().strip() != "ready":
+            raise RuntimeError("a fan-in client did not connect")
+    served = cpu_seconds(server.pid)
+    started = time.monotonic()
     for child in children:
         child.stdin.write("go\n")
         child.stdin.flush()
+    finished, client_cpu = [], 0.0
+    for child in children:
+        when, cpu = map(float, child.stdout.readline().split())
+        finished.append(when)
+        client_cpu += cpu
+    served = cpu_seconds(server.pid) - served  # a little of it after the last ack, if any
     for child in children:
         if child.wait(300) != 0:
             raise RuntimeError("a fan-in client failed")
-    elapsed = time.perf_counter() - started
+    elapsed = max(finished) - started
     server.stdin.write(f"fan {clients * each}\n")
     server.stdin.flush()
     kept = int(server.stdout.readline().split()[0])
     server.stdin.close()
     server.wait()
-    return kept / elapsed, kept
+    total = clients * each
+    return kept / elapsed, kept, client_cpu / total * 1e6, served / total * 1e6
 
 
 def server_alone(count: int) -> tuple[float, float]:
@@ -327,12 +349,16 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--paced", action="store_true",
                         help="only the paced rows (to compare checkouts run one after another)")
+    parser.add_argument("--fan-in", action="store_true", help="only the fan-in row (as --paced)")
     args = parser.parse_args()
     count, trials = (5_000, 2) if args.quick else (args.count, args.trials)
+    clients, each = (8, 500) if args.quick else (32, 2_000)
     _common.print_machine("small captures, one at a time")
     if args.paced:
         print_paced(args.quick)
         return 0
+    if args.fan_in:
+        return print_fan_in(clients, each)
     size = frame_size()
     print(f"\n{count} captures of 4 float32 per trial, {trials} trials; thing's frame for one "
           f"is {size} bytes, the raw messages as long.\n")
@@ -359,15 +385,21 @@ def main() -> int:
     twin = median(rates["thing-py"])
     print(f"\ncompiled core / pure-Python twin, small captures: "
           f"{median(rates['thing']) / twin:.2f}x")
-    clients, each = (8, 500) if args.quick else (32, 2_000)
-    rate, kept = fan_in(clients, each)
-    print(f"fan-in: {clients} processes x {each} captures: {rate:,.0f} captures/s aggregate, "
-          f"{kept} of {clients * each} stored")
+    all_stored = print_fan_in(clients, each) == 0
     alone = [server_alone(50_000) for _ in range(trials)]
     print(f"server alone: {median([rate for rate, _ in alone]):,.0f} frames/s, "
           f"{median([cpu for _, cpu in alone]):.1f} µs of server CPU per frame "
           f"(median of {trials})")
     print_paced(args.quick)
+    return 0 if all_stored else 1
+
+
+def print_fan_in(clients: int, each: int) -> int:
+    """Print the fan-in row; 0 if every capture was stored."""
+    rate, kept, client_cpu, server_cpu = fan_in(clients, each)
+    print(f"fan-in: {clients} processes x {each} captures: {rate:,.0f} captures/s aggregate, "
+          f"{kept} of {clients * each} stored; CPU per capture: clients {client_cpu:.1f} µs, "
+          f"server {server_cpu:.1f} µs")
     return 0 if kept == clients * each else 1
 
 

@@ -16,7 +16,8 @@ import numpy as np
 
 import thing
 from thing import wire
-from thing.sockets import connect
+from thing.sockets import connect, set_timeouts
+from thing.stream import StreamReader
 
 from .conftest import expect_line, poll, run_script, start_script
 from .test_catch import _StalledServer
@@ -322,3 +323,93 @@ def test_a_stream_cut_inside_a_prefix_is_answered_as_a_frame_that_did_not_arrive
     assert (status, seq) == (wire.ACK_REJECTED, wire.SEQ_OLDEST_UNANSWERED)
     assert b"did not arrive whole" in reply[2 * wire.ACK.size :]
     assert len(server.store) == 1 and server.dropped_transfers == 1
+
+
+class _AnsweringPeer:
+    """A scripted thing server: after the handshake it reads ``count`` frames, then writes
+    ``answer(seqs)`` (the bytes of its acknowledgements) in one write, and stays open."""
+
+    def __init__(self, count: int, answer) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.peer: socket.socket | None = None
+        self.seqs: list[int] = []
+        self._count, self._answer = count, answer
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self.peer, _ = self.listener.accept()
+        set_timeouts(self.peer, 20, 20)  # kernel timeouts: the compiled core reads it
+        stream = StreamReader(self.peer)
+        _, length = wire.decode_handshake_prefix(stream.read(wire.HANDSHAKE.size))
+        stream.read(length)
+        self.peer.sendall(wire.encode_handshake({"server": "scripted", "control": True}))
+        while len(self.seqs) < self._count:
+            prefix = wire.decode_prefix(stream.read(wire.FRAME_PREFIX.size))
+            stream.skip(prefix.header_len + prefix.payload_len + wire.FRAME_TRAILER.size)
+            self.seqs.append(prefix.seq)
+        self.peer.sendall(self._answer(self.seqs))
+
+    def close(self) -> None:
+        self._thread.join(20)
+        for sock in (self.listener, self.peer):
+            if sock is not None:
+                sock.close()
+
+
+def test_a_burst_of_acks_with_refusals_and_control_messages_among_them(monkeypatch,
+                                                                      backend) -> None:
+    # The reader splits runs of plain "stored" acks in one call, and reads whatever breaks a
+    # run (a refusal with its message, a control message) the general way, then goes on.
+    monkeypatch.setenv("THING_TRANSPORT", "tcp")  # the scripted peer has no Unix socket
+
+    def answer(seqs: list[int]) -> bytes:
+        out = []
+        for i, seq in enumerate(seqs):
+            if i % 50 == 25:
+                out.append(wire.encode_control("every", f"steered-{i}", None, 3))
+            out.append(wire.encode_ack(seq, -1, f"no room for {i}") if i % 7 == 3
+                       else wire.encode_ack(seq, 1000 + i))
+        return b"".join(out)
+
+    peer = _AnsweringPeer(300, answer)
+    client = thing.Client("127.0.0.1", peer.port)
+    try:
+        handles = [client.catch(np.full(4, i, np.float32), name="burst", block=True)
+                   for i in range(300)]
+        assert client.flush(20)
+        for i, handle in enumerate(handles):
+            if i % 7 == 3:
+                assert handle.id is None and handle.error == (
+                    f"refused by the server: no room for {i}"), (i, handle)
+            else:
+                assert handle.id == 1000 + i and handle.error is None, (i, handle)
+        assert client.sent == 300 - len(range(3, 300, 7))
+        assert peer.seqs == list(range(300))
+        steered = client._overrides._table.names()
+        assert steered == {f"steered-{i}" for i in range(25, 300, 50)}, steered
+    finally:
+        client.close()
+        peer.close()
+
+
+def test_a_stored_ack_out_of_order_in_a_burst_breaks_the_connection(monkeypatch) -> None:
+    # Those before it are settled; it and the rest are not pinned on the wrong captures.
+    monkeypatch.setenv("THING_TRANSPORT", "tcp")
+
+    def answer(seqs: list[int]) -> bytes:
+        order = seqs[:5] + [seqs[6], seqs[5]] + seqs[7:]
+        return b"".join(wire.encode_ack(seq, 1000 + seq) for seq in order)
+
+    peer = _AnsweringPeer(10, answer)
+    client = thing.Client("127.0.0.1", peer.port)
+    try:
+        handles = [client.catch(np.full(4, i, np.float32), name="order", block=True)
+                   for i in range(10)]
+        client.flush(20)
+        assert [h.id for h in handles[:5]] == [1000 + seq for seq in peer.seqs[:5]]
+        assert all(h.id is None and "lost" in h.error for h in handles[5:]), handles[5:]
+    finally:
+        client.close()
+        peer.close()

@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 
 import thing
 from thing import wire
+from thing._core import _transport, fallback
 from thing.buffers import ReceiveBuffers
 from thing.errors import ProtocolError
 from thing.receiver import Connection, Deadlines, HeaderBudget, ReceiveCounts, ReceiveSettings
@@ -236,6 +237,48 @@ def test_random_bytes_raise_only_protocol_errors(short: bytes, long: bytes) -> N
         _only_protocol_errors(wire.decode_trailer, data[: wire.FRAME_TRAILER.size])
         _only_protocol_errors(wire.decode_ack, data[: wire.ACK.size])
         _only_protocol_errors(read_like_the_server, data)
+
+
+def _stored_run(data: bytes, limit: int) -> list[tuple[int, int, int, bytes]]:
+    """The leading "stored" acknowledgements of ``data`` as decode_ack reads them one by one."""
+    acks: list[tuple[int, int, int, bytes]] = []
+    for at in range(0, len(data) - wire.ACK.size + 1, wire.ACK.size):
+        if len(acks) >= limit:
+            break
+        try:
+            status, length, seq, capture_id = wire.decode_ack(data[at : at + wire.ACK.size])
+        except ProtocolError:
+            break
+        if status != wire.ACK_STORED or length:
+            break
+        acks.append((status, seq, capture_id, b""))
+    return acks
+
+
+_ACK_PIECES = st.one_of(
+    st.builds(wire.encode_ack, st.integers(0, 2**64 - 1), st.integers(-(2**63), 2**63 - 1)),
+    st.builds(wire.encode_ack, st.integers(0, 2**64 - 1), st.integers(-(2**63), 2**63 - 1),
+              st.text(max_size=30)),
+    st.builds(wire.encode_control, st.sampled_from(list(wire.CONTROL_CODES)),
+              st.none() | st.text(max_size=10), st.none() | st.integers(0, 7)),
+    st.binary(min_size=1, max_size=30),
+)
+
+
+@FUZZ
+@given(st.lists(_ACK_PIECES, max_size=12), st.lists(st.integers(0, 400), max_size=3),
+       st.integers(0, 20))
+def test_both_cores_split_a_burst_of_acks_as_decode_ack_reads_it(
+        pieces: list[bytes], flips: list[int], limit: int) -> None:
+    # The bulk splitter must never take a byte decode_ack would refuse or read otherwise.
+    data = bytearray(b"".join(pieces))
+    for at in flips:
+        if at < len(data):
+            data[at] ^= 0x5A
+    expected = _stored_run(bytes(data), limit)
+    assert _transport.split_stored_acks(data, limit) == expected
+    assert fallback.split_stored_acks(data, limit) == expected
+    assert wire.decode_stored_acks(memoryview(data), limit) == expected
 
 
 @FUZZ

@@ -58,7 +58,11 @@ FRAMEWORKS = ("numpy", "torch", "jax")
 
 
 class LeafSpec(NamedTuple):
-    """What one array of a capture is: enough to allocate its destination up front."""
+    """What one array of a capture is: enough to allocate its destination up front.
+
+    ``catch`` makes one per array with ``_new_spec`` (``tuple.__new__``): the
+    named tuple's generated ``__new__`` costs half a microsecond, a tenth of a catch.
+    """
 
     framework: str  # "numpy", "torch", "jax", or "bytes" for a bytes object
     dtype: str  # a key of CARRIER_DTYPES
@@ -71,6 +75,9 @@ class LeafSpec(NamedTuple):
         for extent in self.shape:
             count *= extent
         return count * CARRIER_DTYPES[self.dtype].itemsize
+
+
+_new_spec = tuple.__new__
 
 
 class Leaf:
@@ -117,7 +124,7 @@ def describe_leaf(obj: Any) -> Leaf | None:
     if torch is not None and isinstance(obj, torch.Tensor):
         if obj.layout is not torch.strided:  # a sparse tensor travels as its dense parts
             return None
-        spec = LeafSpec("torch", _wire_name(obj.dtype), tuple(obj.shape))
+        spec = _new_spec(LeafSpec, ("torch", _wire_name(obj.dtype), tuple(obj.shape), False))
         return Leaf(spec, obj, obj.nbytes)
     if isinstance(obj, np.str_):  # travels as the str it is
         return None
@@ -281,7 +288,7 @@ def _wire_name(dtype: Any) -> str:
 
 def _numpy_leaf(array: np.ndarray | np.generic) -> Leaf:
     scalar = isinstance(array, np.generic)
-    spec = LeafSpec("numpy", _wire_name(array.dtype), array.shape, scalar)
+    spec = _new_spec(LeafSpec, ("numpy", _wire_name(array.dtype), array.shape, scalar))
     return Leaf(spec, array, array.nbytes)
 
 

@@ -14,7 +14,6 @@ checks that, and a server that breaks it is treated as a broken connection.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import socket
@@ -51,6 +50,9 @@ log = logging.getLogger("thing")
 SMALL_BYTES = 64 << 10
 TICK_SECONDS = 0.05
 BATCH = 64
+# Captures up to this size are snapshotted before they take room in the queue (see
+# Channel._enqueue).
+HOLD_FIRST_BYTES = 4 << 10
 # Small frames sent in one vectored write at most: bounds what one sendmsg holds.
 COALESCE = 64
 # Acknowledgements settled together at most (one lock, one wake-up of a blocked catch).
@@ -80,7 +82,11 @@ Undelivered = tuple[tuple[str, int], ...]
 
 
 class Pending(NamedTuple):
-    """A capture waiting to be sent, or sent and waiting for its acknowledgement."""
+    """A capture waiting to be sent, or sent and waiting for its acknowledgement.
+
+    ``catch`` makes one with ``_new_pending`` (``tuple.__new__``, every field given):
+    the named tuple's generated ``__new__`` costs half a microsecond on every call.
+    """
 
     name: str | None
     payload: wire.Payload
@@ -96,6 +102,8 @@ class Pending(NamedTuple):
     step: int | None = None  # the step the caller gave
     requested: bool = False  # sent because the REPL asked for it (thing.request)
 
+
+_new_pending = tuple.__new__
 
 # A capture that ended: (pending, capture id if stored, error, reason it counts under).
 Finished = tuple[Pending, Optional[int], Optional[str], Optional[str]]  # noqa: UP007 (3.9)
@@ -169,7 +177,7 @@ class Channel:
         self._queued_bytes = 0  # of the captures in _queue
         # Sent and awaiting the server's ack, in the order they were sent (dicts keep it).
         self._inflight: dict[int, Pending] = {}
-        self._seq = itertools.count()
+        self._next_seq = 0  # frames are numbered in the order they are sent
         self._sock: socket.socket | None = None
         self._notices = False  # whether the server takes notices of unsent captures
         self._told: set[tuple[str | None, str]] = set()  # notices sent on this connection
@@ -204,9 +212,10 @@ class Channel:
                 requested: bool = False) -> CaptureHandle:
         """Queue a capture of ``obj``: taken apart, room taken, then snapshotted where it must
         be (a full queue costs no copy). Raises :class:`UnsupportedType` for what cannot travel."""
-        caught_at = time.time()
-        pending = Pending(name, wire.take_apart(obj), site, caught_at, rank,
-                          CaptureHandle(name, hurry=self.hurry), None, call, step, requested)
+        # Every field given, so the tuple is made directly (see Pending).
+        pending = _new_pending(Pending, (name, wire.take_apart(obj), site, time.time(), rank,
+                                         CaptureHandle(name, None, self.hurry), None, call,
+                                         step, requested))
         return self._enqueue(pending, block, copy, snapshot_bytes)
 
     def announce(self, name: str | None, site: CallSite | None,
@@ -251,6 +260,12 @@ class Channel:
     def _enqueue(self, pending: Pending, block: bool, copy: bool | None,
                  snapshot_bytes: int) -> CaptureHandle:
         nbytes = pending.payload.nbytes
+        # A capture of a few KiB is snapshotted before it takes room, and queued under the
+        # same lock: its copy costs less than taking the lock a second time. A larger one
+        # takes room first (a full queue must not cost it a copy) and copies outside the lock.
+        held = nbytes <= HOLD_FIRST_BYTES
+        if held:
+            pending.payload.hold(copy, snapshot_bytes)
         with self._mutex:
             if self._closed:
                 return CLOSED
@@ -261,34 +276,41 @@ class Channel:
                 return self.down_handle
             if not self._room.take(nbytes, block):
                 return QUEUE_FULL
+            if held:
+                return self._queue_up(pending)
         try:
             pending.payload.hold(copy, snapshot_bytes)
-        except BaseException:
+        except BaseException:  # counted as failed by catch()
             with self._mutex:
                 self._room.give_back(nbytes)
-                self._room.undelivered["failed"] += 1
             raise
         with self._mutex:
             if self._closed:
                 self._room.give_back(nbytes)
                 self._room.undelivered["closed"] += 1
                 return CLOSED
-            queue = self._queue
-            queue.append(pending)
-            self._queued_bytes += nbytes
-            # A small capture wakes nobody while the sender keeps its tick or is busy (waking
-            # it costs the training loop more than the capture): it goes with the next batch,
-            # unless what waits here is half of what the client may hold (a small
-            # THING_QUEUE_ITEMS must not drop what a send would have made room for).
-            wake = self._idle
-            if not self._send_now and (
-                    nbytes >= SMALL_BYTES or len(queue) >= BATCH or pending.requested
-                    or 2 * len(queue) > self._room.max_items
-                    or 2 * self._queued_bytes > self._room.max_bytes):
-                self._send_now = wake = True
-            if wake:
-                self._idle = False
-                self._wake.notify_all()
+            return self._queue_up(pending)
+
+    def _queue_up(self, pending: Pending) -> CaptureHandle:
+        """Queue a capture that has its room, waking the sender if it must (the caller holds
+        the lock)."""
+        nbytes = pending.payload.nbytes
+        queue = self._queue
+        queue.append(pending)
+        self._queued_bytes += nbytes
+        # A small capture wakes nobody while the sender keeps its tick or is busy (waking
+        # it costs the training loop more than the capture): it goes with the next batch,
+        # unless what waits here is half of what the client may hold (a small
+        # THING_QUEUE_ITEMS must not drop what a send would have made room for).
+        wake = self._idle
+        if not self._send_now and (
+                nbytes >= SMALL_BYTES or len(queue) >= BATCH or pending.requested
+                or 2 * len(queue) > self._room.max_items
+                or 2 * self._queued_bytes > self._room.max_bytes):
+            self._send_now = wake = True
+        if wake:
+            self._idle = False
+            self._wake.notify_all()
         return pending.handle
 
     def hurry(self) -> None:
@@ -522,12 +544,11 @@ class Channel:
                     return
                 if self._lost:
                     raise ConnectionResetError("the server closed the connection")
-                batch = []
-                while self._queue:
-                    pending = self._queue.popleft()
-                    seq = next(self._seq)
-                    self._inflight[seq] = pending
-                    batch.append((seq, pending))
+                first = self._next_seq
+                self._next_seq += len(self._queue)
+                batch = list(zip(range(first, self._next_seq), self._queue))
+                self._inflight.update(batch)
+                self._queue.clear()
                 self._send_now, self._queued_bytes = False, 0
                 undelivered = tuple(sorted(self._room.undelivered.items()))
                 next_tick = time.monotonic() + TICK_SECONDS  # a tick from this batch, not its end
@@ -591,9 +612,9 @@ class Channel:
                 continue
             frame = self._encode(seq, pending, undelivered)
             if frame is not None:
-                prefix, header, views = frame
-                together += [prefix, header, *(view for view in views if view.nbytes),
-                             _trailer(mac, prefix, header, payload)]
+                prefix, header, views = frame  # both movers skip empty views
+                # Read from a snapshot, not in place (see above): it cannot have torn.
+                together += [prefix, header, *views, _trailer(mac, prefix, header, False)]
                 sent.append(payload)
             if len(sent) >= COALESCE:
                 flush()
@@ -652,7 +673,7 @@ class Channel:
                 # Whether a torch tensor moved on is known only once its bytes are in the kernel.
                 send_buffers(sock, buffers)
                 buffers = []
-            trailer = _trailer(mac, prefix, header, payload)
+            trailer = _trailer(mac, prefix, header, any(map(torn, payload.leaves)))
             send_buffers(sock, [*buffers, trailer])
         # The bytes are in the kernel: drop our references so the arrays can be freed.
         payload.leaves.clear()
@@ -671,7 +692,9 @@ class Channel:
             prefix = wire.encode_prefix(header, payload.nbytes, seq, pending.caught_at,
                                         wire.KIND_SHARED_MEMORY, call=pending.call,
                                         step=pending.step)
-            message = prefix + header + _trailer(mac, prefix, header, payload)
+            # Copied into the memfd by now: whether the data moved on during the copy.
+            message = prefix + header + _trailer(mac, prefix, header,
+                                                 any(map(torn, payload.leaves)))
             sent = socket.send_fds(sock, [message], [fd])
             if sent < len(message):  # only a signal or a timeout splits a message this small
                 send_buffers(sock, [memoryview(message)[sent:]])
@@ -682,8 +705,9 @@ class Channel:
     # -- acknowledgement reader ----------------------------------------------------
 
     def _read_acks(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
-        # Acks of frames sent together arrive together: one receive takes them all, and
-        # they are settled together. Control messages among them steer the client.
+        # Acks of frames sent together arrive together: one receive takes them all, the
+        # unsigned "stored" ones are split in one call, and they are settled together.
+        # Control messages among them steer the client.
         stream = StreamReader(sock)
         try:
             while True:
@@ -691,6 +715,13 @@ class Channel:
                 try:
                     while not acks or (stream.buffered >= wire.ACK.size
                                        and len(acks) < SETTLE_BATCH):
+                        if mac is None and stream.buffered >= wire.ACK.size:
+                            stored = wire.decode_stored_acks(stream.peek(stream.buffered),
+                                                             SETTLE_BATCH - len(acks))
+                            if stored:
+                                stream.take(len(stored) * wire.ACK.size)
+                                acks += stored
+                                continue
                         message = self._next_message(stream, mac)
                         if isinstance(message, wire.ControlMessage):
                             self.overrides.apply(message)
@@ -776,14 +807,16 @@ class Channel:
         if not finished:
             return
         room = self._room
+        nbytes = 0
         for pending, capture_id, _, reason in finished:
+            nbytes += pending.payload.nbytes
             if pending.notice is not None:
                 continue
             if capture_id is not None:
                 room.stored += 1
             elif reason is not None:
                 room.undelivered[reason] += 1
-        room.give_back(sum(pending.payload.nbytes for pending, *_ in finished), len(finished))
+        room.give_back(nbytes, len(finished))
 
     def _log_once(self, key: str, level: int, message: str, *args: Any,
                   exc_info: bool = False) -> None:
@@ -825,9 +858,10 @@ def read_server_message(stream: StreamReader, mac: auth.SessionMac | None
 
 
 def _trailer(mac: auth.SessionMac | None, prefix: bytes, header: bytes,
-             payload: wire.Payload) -> bytes:
-    """A frame's trailer, once its bytes are sent: whether it is consistent, and its MAC."""
-    trailer = wire.encode_trailer(any(torn(leaf) for leaf in payload.leaves))
+             modified: bool) -> bytes:
+    """A frame's trailer, once its bytes are sent: whether its data was ``modified`` while
+    it was sent, and its MAC."""
+    trailer = wire.encode_trailer(modified)
     return trailer if mac is None else trailer + mac.sign(prefix, header, trailer)
 
 

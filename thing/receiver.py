@@ -747,11 +747,16 @@ class _Charge:
 
 def _arrays_of(layout: tuple[tuple[np.dtype, int, tuple[int, ...]], ...],
                data: memoryview) -> list[np.ndarray]:
-    """New arrays of ``layout`` holding the payload ``data``, copied (it is a reused buffer)."""
+    """New arrays of ``layout`` holding the payload ``data``, copied (it is a reused buffer).
+
+    Each owns a ``bytearray`` copy of its bytes: one numpy call per array, not three
+    (view, reshape, copy), which was a quarter of the server's time per small capture.
+    """
     arrays, offset = [], 0
     for dtype, count, shape in layout:
-        arrays.append(np.frombuffer(data, dtype, count, offset).reshape(shape).copy())
-        offset += count * dtype.itemsize
+        end = offset + count * dtype.itemsize
+        arrays.append(np.ndarray(shape, dtype, bytearray(data[offset:end])))
+        offset = end
     return arrays
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from . import config
-from ._core import recv_buffers
+from ._core import recv_buffers, split_stored_acks
 from .arrays import (
     CARRIER_DTYPES,
     FRAMEWORKS,
@@ -328,9 +328,11 @@ def encode_prefix(header: bytes, payload_len: int, seq: int, caught_at: float,
 
 def encode_trailer(modified_during_send: bool) -> bytes:
     """The fixed-size part that closes a capture frame."""
-    return FRAME_TRAILER.pack(
-        TRAILER_TAG, FLAG_MODIFIED_DURING_SEND if modified_during_send else 0, 0
-    )
+    return _MODIFIED_TRAILER if modified_during_send else _WHOLE_TRAILER
+
+
+_WHOLE_TRAILER = FRAME_TRAILER.pack(TRAILER_TAG, 0, 0)
+_MODIFIED_TRAILER = FRAME_TRAILER.pack(TRAILER_TAG, FLAG_MODIFIED_DURING_SEND, 0)
 
 
 # -- captures: receiving side ---------------------------------------------------
@@ -763,6 +765,14 @@ def decode_ack(prefix: bytes) -> tuple[int, int, int, int]:
     if tag != ACK_TAG or status not in (ACK_STORED, ACK_REJECTED) or length > MAX_HANDSHAKE_JSON:
         raise ProtocolError(f"bad acknowledgement {prefix!r}")
     return status, length, seq, capture_id
+
+
+def decode_stored_acks(data: Any, limit: int) -> list[tuple[int, int, int, bytes]]:
+    """The "stored" acknowledgements whole at the start of ``data``, at most ``limit``: each
+    ``(ACK_STORED, seq, capture_id, b"")``, as :func:`decode_ack` and its empty message give
+    it. Stops at the first that is anything else, for ``decode_ack`` to read. The compiled
+    core splits a burst of them in one call (the pure-Python twin as its reference)."""
+    return split_stored_acks(data, limit)
 
 
 class BadControl(ProtocolError):

@@ -8,6 +8,10 @@ holds the GIL never slows a transfer down chunk by chunk.
 
 The socket must be in blocking mode; timeouts come from ``SO_SNDTIMEO`` /
 ``SO_RCVTIMEO`` and surface as ``TimeoutError``.
+
+``split_stored_acks`` splits a burst of the server's "stored" acknowledgements
+in one call, on the bytes one receive brought: the client's share of reading
+many small messages per system call.
 """
 
 from cpython.buffer cimport (
@@ -235,6 +239,46 @@ def recv_some(sock, buffer, Py_ssize_t offset, list descriptors=None) -> int:
             if msg.msg_flags & MSG_CTRUNC:
                 raise OSError(EMSGSIZE, "more descriptors came than one receive takes")
         return moved
+    finally:
+        PyBuffer_Release(&view)
+
+
+# An acknowledgement, as wire.ACK lays it out: b"TA", status (u16), message length (u32),
+# seq (u64), capture id (i64), little-endian. "Stored" is status 0 with no message.
+cdef enum:
+    ACK_BYTES = 24
+
+
+cdef inline unsigned long long _little_u64(const unsigned char *p) noexcept nogil:
+    cdef unsigned long long value = 0
+    cdef int i
+    for i in range(7, -1, -1):
+        value = (value << 8) | p[i]
+    return value
+
+
+def split_stored_acks(buffer, Py_ssize_t limit) -> list:
+    """The acknowledgements at the start of ``buffer`` that say "stored", up to ``limit``.
+
+    Returns ``(ACK_STORED, seq, capture_id, b"")`` for each whole one, in order,
+    and stops at the first that is anything else (a refusal, a control message,
+    bad bytes, a partial one), which the caller reads the general way. A burst
+    of a training loop's acknowledgements becomes one call instead of one per frame.
+    """
+    cdef Py_buffer view
+    cdef const unsigned char *at
+    cdef Py_ssize_t offset = 0
+    cdef list acks = []
+    PyObject_GetBuffer(buffer, &view, PyBUF_C_CONTIGUOUS)
+    try:
+        while offset + ACK_BYTES <= view.len and len(acks) < limit:
+            at = <const unsigned char *>view.buf + offset
+            # tag "TA", status 0, message length 0
+            if at[0] != 84 or at[1] != 65 or at[2] or at[3] or at[4] or at[5] or at[6] or at[7]:
+                break
+            acks.append((0, _little_u64(at + 8), <long long>_little_u64(at + 16), b""))
+            offset += ACK_BYTES
+        return acks
     finally:
         PyBuffer_Release(&view)
 

@@ -12,6 +12,7 @@ import errno
 import mmap
 import os
 import socket
+import struct
 import sys
 from collections.abc import Sequence
 
@@ -91,6 +92,24 @@ def recv_some(sock: socket.socket, buffer: object, offset: int,
     if flags & socket.MSG_CTRUNC:
         raise OSError(errno.EMSGSIZE, "more descriptors came than one receive takes")
     return moved
+
+
+# An acknowledgement, as wire.ACK lays it out; "stored" is status 0 with no message.
+_ACK = struct.Struct("<2sHIQq")
+_STORED = (b"TA", 0, 0)
+
+
+def split_stored_acks(buffer: object, limit: int) -> list[tuple[int, int, int, bytes]]:
+    """The "stored" acknowledgements at the start of ``buffer``, up to ``limit``, as
+    ``(0, seq, capture_id, b"")``; stops at the first that is anything else."""
+    view = _byte_view(buffer, writable=False)
+    whole = min(view.nbytes // _ACK.size, max(limit, 0)) * _ACK.size
+    acks = []
+    for tag, status, length, seq, capture_id in _ACK.iter_unpack(view[:whole]):
+        if (tag, status, length) != _STORED:
+            break
+        acks.append((0, seq, capture_id, b""))
+    return acks
 
 
 def copy_into(destination: object, source: object) -> int:
