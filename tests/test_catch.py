@@ -10,10 +10,12 @@ import time
 import numpy as np
 
 import thing
+import thing.arrays
 import thing.channel
 from thing import wire
 from thing._core import recv_buffers, send_buffers
 from thing.channel import BATCH, SMALL_BYTES
+from thing.handles import QUEUE_FULL
 
 from .conftest import expect_line, free_port, poll, run_script, start_script
 
@@ -149,6 +151,29 @@ def test_full_queue_drops_without_blocking(monkeypatch) -> None:
         assert len(dropped) >= 190
         assert client.dropped == len(dropped)
         assert not first.done  # still stuck in the stalled socket, not lost
+    finally:
+        client.close()
+        stalled.close()
+
+
+def test_a_full_queue_copies_nothing_but_a_capture_of_a_few_kib(monkeypatch) -> None:
+    # A capture is snapshotted after it got room, so dropping costs no copy; one of a few KiB
+    # is snapshotted first, as one lock costs more than its copy (channel.HOLD_FIRST_BYTES).
+    monkeypatch.setenv("THING_TRANSPORT", "tcp")
+    stalled = _StalledServer()
+    client = thing.Client("127.0.0.1", stalled.port, max_queue_items=1)
+    copies = []
+    snapshot = thing.arrays._snapshot_array
+    monkeypatch.setattr(thing.arrays, "_snapshot_array",
+                        lambda array: copies.append(array.nbytes) or snapshot(array))
+    try:
+        first = client.catch(np.zeros(4), name="first")  # holds the one place, never acked
+        assert copies == [32]
+        assert client.catch(np.zeros(4096), name="dropped").error == QUEUE_FULL.error
+        assert copies == [32]  # 32 KiB, dropped before any copy
+        assert client.catch(np.zeros(16), name="small").error == QUEUE_FULL.error
+        assert copies == [32, 128]
+        assert client.dropped == 2 and not first.done
     finally:
         client.close()
         stalled.close()

@@ -297,7 +297,8 @@ def test_a_sparse_tensor_changed_after_a_snapshot_is_sent_as_it_was() -> None:
     payload = wire.take_apart(tensor)
     payload.hold(copy=True, snapshot_bytes=0)
     tensor._values().mul_(0)
-    received = wire.build_value(payload.tree, [leaf_bytes(leaf) for leaf in payload.leaves])
+    received = wire.build_value(payload.tree, [np.frombuffer(leaf_bytes(leaf), np.uint8)
+                                               for leaf in payload.leaves])
     assert received["values"].tobytes() == SPARSE["coo coalesced"]._values().numpy().tobytes()
 
 

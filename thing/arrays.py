@@ -292,14 +292,15 @@ def _numpy_leaf(array: np.ndarray | np.generic) -> Leaf:
     return Leaf(spec, array, array.nbytes)
 
 
-def leaf_bytes(leaf: Leaf) -> np.ndarray:
-    """A flat uint8 view of the leaf's memory, made contiguous and little-endian if it was not.
+def leaf_bytes(leaf: Leaf) -> bytes | np.ndarray:
+    """The leaf's bytes as they travel: a snapshot as it is (see :func:`hold`), else a flat
+    uint8 view of its memory, made contiguous and little-endian if it was not.
 
     Runs on the sender thread: any copy it has to make is paid there, not by the caller.
     """
     source = leaf.source
-    if type(source) is bytes:  # a snapshot (see hold): ready to send
-        return np.frombuffer(source, np.uint8)
+    if type(source) is bytes:  # a snapshot: ready to send
+        return source
     if leaf.ready is not None:
         leaf.ready.synchronize()
     framework = leaf.spec.framework

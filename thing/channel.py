@@ -210,10 +210,11 @@ class Channel:
                 rank: tuple[int | None, int | None], block: bool, copy: bool | None,
                 snapshot_bytes: int, call: int = 0, step: int | None = None,
                 requested: bool = False) -> CaptureHandle:
-        """Queue a capture of ``obj``: taken apart, room taken, then snapshotted where it must
-        be (a full queue costs no copy). Raises :class:`UnsupportedType` for what cannot travel."""
+        """Queue a capture of ``obj``: taken apart, given room and snapshotted where it must be
+        (see :meth:`_enqueue`). Raises :class:`UnsupportedType` for what cannot travel."""
+        caught_at = time.time()
         # Every field given, so the tuple is made directly (see Pending).
-        pending = _new_pending(Pending, (name, wire.take_apart(obj), site, time.time(), rank,
+        pending = _new_pending(Pending, (name, wire.take_apart(obj), site, caught_at, rank,
                                          CaptureHandle(name, None, self.hurry), None, call,
                                          step, requested))
         return self._enqueue(pending, block, copy, snapshot_bytes)
@@ -560,8 +561,9 @@ class Channel:
 
         Small captures go once a tick, together: after a send, the sender keeps
         its clock for one more tick, and a capture arriving after that quiet
-        tick wakes it and waits a tick for company. So a loop that catches
-        every step wakes the sender once a tick, and never from its own thread.
+        tick wakes it and waits a tick for company. So a loop that catches more
+        often than once a tick wakes the sender once a tick, never from its own
+        thread; a slower one wakes it from its thread once per capture.
         A large capture, a full batch, one the REPL asked for, a caller
         waiting on a handle (:meth:`hurry`) or closing end the wait at once.
         """
@@ -599,6 +601,7 @@ class Channel:
 
         alone = min(SMALL_BYTES, config.shm_threshold() if self.transport == "shm"
                     else SMALL_BYTES)
+        whole = wire.encode_trailer(False)
         for seq, pending in batch:
             payload = pending.payload
             if pending.notice is not None and not (
@@ -613,8 +616,9 @@ class Channel:
             frame = self._encode(seq, pending, undelivered)
             if frame is not None:
                 prefix, header, views = frame  # both movers skip empty views
-                # Read from a snapshot, not in place (see above): it cannot have torn.
-                together += [prefix, header, *views, _trailer(mac, prefix, header, False)]
+                # Not read in place (see above): it cannot have torn.
+                together += [prefix, header, *views, whole if mac is None
+                             else _trailer(mac, prefix, header, False)]
                 sent.append(payload)
             if len(sent) >= COALESCE:
                 flush()
@@ -667,7 +671,7 @@ class Channel:
         else:
             sent = False
         if not sent:
-            buffers = [prefix, header, *(view for view in views if view.nbytes)]
+            buffers = [prefix, header, *views]  # both movers skip empty views
             del views
             if any(leaf.version is not None for leaf in payload.leaves):
                 # Whether a torch tensor moved on is known only once its bytes are in the kernel.

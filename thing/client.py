@@ -2,8 +2,9 @@
 
 On the caller's thread ``catch`` traces or takes the name, applies ``every=``
 and ``first=``, notes each array's dtype and shape, takes room in a bounded
-queue, and only then snapshots what must be snapshotted (small leaves, and
-every leaf with ``copy=True``; see :func:`thing.arrays.hold`). No I/O, no
+queue, and snapshots what must be snapshotted (small leaves, and every leaf
+with ``copy=True``; see :func:`thing.arrays.hold`): after taking room, so that
+a full queue costs no copy, except for a capture of a few KiB. No I/O, no
 exception. All network work happens in a :class:`~thing.channel.Channel` per
 server, on its own threads. While no server listens, captures are dropped at
 once and the channel keeps trying to connect, about once a second.

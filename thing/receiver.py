@@ -287,26 +287,24 @@ class Connection:
         if self.mac is not None or stream.descriptors_waiting:
             return 0
         prefix_size, trailer_size = wire.FRAME_PREFIX.size, self._trailer_size
+        here = stream.peek(stream.buffered)  # what has arrived; taken once the run ends
         captures: list[Capture] = []
         charges: list[int] = []
         seqs: list[int] = []
         room = ACK_BATCH - len(self._acks)
-        while len(captures) < room:
-            raw_prefix = stream.peek(prefix_size)
-            if raw_prefix is None:
-                break
+        start = 0  # of the next frame in `here`
+        while len(captures) < room and len(here) - start >= prefix_size:
             try:
-                prefix = wire.decode_prefix(raw_prefix)
+                prefix = wire.decode_prefix(here[start:start + prefix_size])
             except ProtocolError:
                 break
-            header_end = prefix_size + prefix.header_len
+            header_end = start + prefix_size + prefix.header_len
             payload_end = header_end + prefix.payload_len
-            if prefix.kind != wire.KIND_CAPTURE or prefix.payload_len >= SMALL_BYTES:
+            end = payload_end + trailer_size
+            if (prefix.kind != wire.KIND_CAPTURE or prefix.payload_len >= SMALL_BYTES
+                    or end > len(here)):
                 break
-            frame = stream.peek(payload_end + trailer_size)
-            if frame is None:
-                break
-            known = self._headers.get(bytes(frame[prefix_size:header_end]))
+            known = self._headers.get(bytes(here[start + prefix_size:header_end]))
             charge = prefix.payload_len + (0 if known is None else known.record_bytes)
             if (known is None or known.notice is not None or known.sparse
                     or known.header.nbytes != prefix.payload_len
@@ -314,12 +312,12 @@ class Connection:
                     or not store.could_reserve(prefix.payload_len)):
                 break
             try:
-                modified = wire.decode_trailer(bytes(frame[payload_end:]))
+                modified = wire.decode_trailer(here[payload_end:end])
             except ProtocolError:
                 break
             header = known.header
-            arrays = _arrays_of(known.layout, frame[header_end:payload_end])
-            stream.take(payload_end + trailer_size)
+            arrays = _arrays_of(known.layout, here[header_end:payload_end])
+            start = end
             if known.undelivered:
                 store.note_undelivered(known.sender, known.undelivered)
             captures.append(Capture(
@@ -329,6 +327,7 @@ class Connection:
                 consistent=not modified, requested=known.requested))
             charges.append(charge)
             seqs.append(prefix.seq)
+        stream.take(start)
         if captures:
             store.add_arrived(captures, charges)
             self._acks += [wire.encode_ack(seq, capture.id)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
+import numpy as np
+
 from . import config
 from .arrays import CARRIER_DTYPES, LeafSpec, leaf_bytes
 from .errors import LimitExceeded, UnknownName
@@ -115,8 +117,8 @@ class Capture:
             return self._received
         payload = take_apart(self.value)
         specs = tuple(leaf.spec for leaf in payload.leaves)
-        arrays = [leaf_bytes(leaf).view(CARRIER_DTYPES[leaf.spec.dtype]).reshape(leaf.spec.shape)
-                  for leaf in payload.leaves]
+        arrays = [np.frombuffer(leaf_bytes(leaf), CARRIER_DTYPES[leaf.spec.dtype])
+                  .reshape(leaf.spec.shape) for leaf in payload.leaves]
         return ReceivedValue(payload.tree, specs, arrays)
 
     def _repr_html_(self) -> str:  # Jupyter shows a capture as its description
