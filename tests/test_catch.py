@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 import thing
 import thing.arrays
@@ -174,6 +175,29 @@ def test_a_full_queue_copies_nothing_but_a_capture_of_a_few_kib(monkeypatch) -> 
         assert client.catch(np.zeros(16), name="small").error == QUEUE_FULL.error
         assert copies == [32, 128]
         assert client.dropped == 2 and not first.done
+    finally:
+        client.close()
+        stalled.close()
+
+
+@pytest.mark.parametrize("elements", [16, 4096])  # snapshotted before / after its room
+def test_a_catch_waiting_for_room_when_the_client_closes_is_told_so(monkeypatch,
+                                                                    elements: int) -> None:
+    monkeypatch.setenv("THING_TRANSPORT", "tcp")
+    stalled = _StalledServer()
+    client = thing.Client("127.0.0.1", stalled.port, max_queue_items=1)
+    try:
+        client.catch(np.zeros(4), name="first")  # holds the one place, never acked
+        waiting: list[thing.CaptureHandle] = []
+        catcher = threading.Thread(target=lambda: waiting.append(
+            client.catch(np.zeros(elements), name="waits", block=True)))
+        catcher.start()
+        poll(lambda: client._queue.lock._waiters, what="the catch to wait for room")
+        client.close()
+        catcher.join(10)
+        assert waiting[0].done and waiting[0].error == "not sent: the client is closed"
+        assert client._queue.items == 0 and client._queue.bytes == 0  # every place given back
+        assert client.undelivered == {"closed": 2}
     finally:
         client.close()
         stalled.close()

@@ -49,7 +49,7 @@ def _receive(value: Any) -> wire.ReceivedValue:
     received = []
     for spec, leaf in zip(decoded.leaves, payload.leaves):
         destination = buffers.array(spec)
-        destination.reshape(-1).view(np.uint8)[:] = leaf_bytes(leaf)
+        destination.reshape(-1).view(np.uint8)[:] = np.frombuffer(leaf_bytes(leaf), np.uint8)
         received.append(destination)
     return wire.ReceivedValue(decoded.tree, decoded.leaves, received)
 

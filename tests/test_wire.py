@@ -42,7 +42,7 @@ def _send_and_receive(value: Any, limits: wire.Limits = LIMITS) -> Any:
     buffers = ReceiveBuffers(max_bytes=64 << 20)
     for spec, leaf in zip(decoded.leaves, payload.leaves):
         destination = buffers.array(spec)
-        destination.reshape(-1).view(np.uint8)[:] = leaf_bytes(leaf)
+        destination.reshape(-1).view(np.uint8)[:] = np.frombuffer(leaf_bytes(leaf), np.uint8)
         received.append(finish(spec, destination))
     assert wire.decode_trailer(wire.encode_trailer(False)) is False
     return wire.build_value(decoded.tree, received)

@@ -115,8 +115,9 @@ def describe_leaf(obj: Any) -> Leaf | None:
     """Describe an array on the caller's thread: its spec and a reference, no data touched.
 
     Returns None for objects that are not arrays (they travel in the header).
-    Nothing is copied yet: the caller first makes sure there is room in the
-    send queue, then calls :func:`hold`.
+    Nothing is copied yet: the caller makes sure there is room in the send
+    queue and calls :func:`hold` (in that order, unless the capture is only a
+    few KiB: see ``Channel._enqueue``).
     """
     if type(obj) is np.ndarray:
         return _numpy_leaf(obj)

@@ -281,21 +281,22 @@ class Channel:
                 return self._queue_up(pending)
         try:
             pending.payload.hold(copy, snapshot_bytes)
-        except BaseException:  # counted as failed by catch()
+        except BaseException:  # an Exception is counted as failed by catch()
             with self._mutex:
                 self._room.give_back(nbytes)
             raise
         with self._mutex:
-            if self._closed:
-                self._room.give_back(nbytes)
-                self._room.undelivered["closed"] += 1
-                return CLOSED
             return self._queue_up(pending)
 
     def _queue_up(self, pending: Pending) -> CaptureHandle:
-        """Queue a capture that has its room, waking the sender if it must (the caller holds
-        the lock)."""
+        """Queue a capture that has its room, waking the sender if it must; CLOSED (its room
+        given back) if the channel closed since the room was taken (the caller holds the
+        lock)."""
         nbytes = pending.payload.nbytes
+        if self._closed:  # while the caller waited for room (block=True) or snapshotted
+            self._room.give_back(nbytes)
+            self._room.undelivered["closed"] += 1
+            return CLOSED
         queue = self._queue
         queue.append(pending)
         self._queued_bytes += nbytes

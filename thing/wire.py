@@ -387,11 +387,11 @@ def check_frame_size(header_len: int, payload_len: int, limits: Limits) -> None:
         )
 
 
-def decode_trailer(trailer: bytes) -> bool:
+def decode_trailer(trailer: bytes | memoryview) -> bool:
     """Check a frame trailer; return whether the sender saw the data change while sending."""
     tag, flags, _ = _unpack(FRAME_TRAILER, trailer, "frame trailer")
     if tag != TRAILER_TAG or flags & ~FLAG_MODIFIED_DURING_SEND:
-        raise ProtocolError(f"bad frame trailer {trailer!r}")
+        raise ProtocolError(f"bad frame trailer {bytes(trailer)!r}")
     return bool(flags & FLAG_MODIFIED_DURING_SEND)
 
 
