@@ -103,7 +103,8 @@ def test_children_forked_right_after_the_first_catch_all_deliver(server: thing.S
         import multiprocessing as mp, thing
 
         def work(child):
-            assert thing.catch(child, name="child", block=True).wait(30)
+            handle = thing.catch(child, name="child", block=True)
+            assert handle.wait(30), handle.error
 
         if __name__ == "__main__":
             thing.catch(-1, name="parent")  # starts the sender: connect, getaddrinfo, ...

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ import numpy as np
 import pytest
 
 import thing
+import thing.sockets
 from thing import shm, wire
 from thing.sockets import connect, connect_unix, is_this_host, listen_unix, unix_socket_path
 from thing.store import HistoryStore
@@ -518,6 +520,27 @@ def test_only_this_hosts_names_take_the_same_host_path() -> None:
         assert is_this_host(name), name
     for name in ("192.0.2.1", "2001:db8::1", "198.51.100.7", "thing.invalid", "0.0.0.0"):
         assert not is_this_host(name), name
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", socket.gethostname()])
+def test_the_sender_thread_never_asks_the_resolver_who_this_host_is(
+        server: thing.Server, monkeypatch, host: str) -> None:
+    # A fork while a thread is inside getfqdn can leave the child's own lookups blocked for
+    # good (the C library's locks): one forked child in 200 hung so here. So a channel
+    # looks this host up, if it must, on the thread that opens it.
+    asked = []
+    getfqdn = socket.getfqdn
+    monkeypatch.setattr(socket, "getfqdn", lambda *args: asked.append(
+        threading.current_thread().name) or getfqdn(*args))
+    thing.sockets.own_names.cache_clear()
+    client = thing.Client(host, server.port)
+    try:
+        assert client.catch(np.arange(3), name="resolved").wait(15)
+    finally:
+        client.close()
+        thing.sockets.own_names.cache_clear()
+    assert asked == ([] if host in ("127.0.0.1", "localhost")
+                     else [threading.current_thread().name])
 
 
 # -- descriptors the server is handed ---------------------------------------------------------

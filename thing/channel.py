@@ -193,6 +193,9 @@ class Channel:
         # catch() answers with down_handle: why the last attempt failed.
         self.down = False
         self.down_handle = NO_SERVER
+        # Asked here, on the thread that opens the channel, not on the sender thread: see
+        # sockets.own_names (a fork while the sender is inside the resolver).
+        self._this_host = is_this_host(address[0])
         self._thread = threading.Thread(
             target=self._run, name=f"thing-send-{address[0]}:{address[1]}", daemon=True
         )
@@ -417,7 +420,7 @@ class Channel:
         """
         host, port = self.address
         wanted = config.transport()
-        if wanted == "tcp" or not is_this_host(host):
+        if wanted == "tcp" or not self._this_host:
             return connect(host, port, config.connect_timeout()), "tcp"
         path = unix_socket_path(port, host)
         why = f"no thing server of this user listens on this machine's Unix socket {path}"
@@ -452,8 +455,7 @@ class Channel:
         sock, transport = self._open(token)
         try:
             # TCP to this host, unless forced, counts only if the server proves the token.
-            tcp_here = transport == "tcp" and config.transport() != "tcp" and is_this_host(
-                self.address[0])
+            tcp_here = transport == "tcp" and config.transport() != "tcp" and self._this_host
             mac = self._handshake(sock, token, configured is not None or tcp_here,
                                   transport == "shm")
         except BaseException:

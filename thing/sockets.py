@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import ipaddress
 import os
 import socket
@@ -157,7 +158,7 @@ def unix_socket_path(port: int, host: str = "127.0.0.1") -> Path | None:
         directory = Path(tempfile.gettempdir()) / f"thing-{os.getuid()}"
     if not private_directory(directory):
         return None
-    if host in _PLAIN_HOSTS or host in (socket.gethostname(), socket.getfqdn()):
+    if host in _PLAIN_HOSTS or (_address(host) is None and host in own_names()):
         return directory / f"{port}.sock"
     return directory / f"{host.replace(':', '_').replace('/', '_')}-{port}.sock"
 
@@ -210,10 +211,33 @@ def peer_uid(sock: socket.socket) -> int | None:
 
 
 def is_this_host(host: str) -> bool:
-    """True if ``host`` names this machine (loopback, or this host's own name)."""
-    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+    """True if ``host`` names this machine (loopback, or this host's own name).
+
+    ``localhost`` and addresses are answered without the resolver; a host name
+    looks up this host's names once (see :func:`own_names`).
+    """
+    if host == "localhost":
         return True
+    address = _address(host)
+    return address.is_loopback if address is not None else host in own_names()
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``host`` as an IP address, or None for a host name."""
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host)
     except ValueError:
-        return False
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def own_names() -> tuple[str, str]:
+    """This host's name and fully qualified name, looked up once.
+
+    ``getfqdn`` goes through the resolver, which holds locks of the C library
+    while it works: a fork (a DataLoader worker) while a sender thread is inside
+    it can leave the child's own lookups blocked for good (1 child in 200 here,
+    forked while another thread looked up). So a channel asks on the thread that
+    opens it, before its sender thread starts, and the sender finds the answer kept.
+    """
+    return socket.gethostname(), socket.getfqdn()
