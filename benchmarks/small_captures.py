@@ -24,7 +24,8 @@ receiver keeps every message, in order, and the last one is checked bit-exact.
 - ``server alone``: the server's side by itself: 50,000 ready-made frames of
   the same capture (numbered, as a client numbers them) written by a raw
   socket as fast as it takes them, the acknowledgements read by another
-  thread; frames/s and the server process's CPU per frame.
+  thread; frames/s and the server process's CPU per frame, for a server on
+  the compiled core and one on the twin.
 - ``paced``: a training loop's pace instead of a flood: one capture every
   1/50 s and every 1/5,000 s, on a schedule, and the CPU it costs outside the
   caller's thread: the client process's other threads (its process CPU less
@@ -267,15 +268,16 @@ def fan_in(clients: int, each: int) -> tuple[float, int, float, float]:
     return kept / elapsed, kept, client_cpu / total * 1e6, served / total * 1e6
 
 
-def server_alone(count: int) -> tuple[float, float]:
-    """(frames/s, server CPU µs per frame) for ``count`` ready-made frames from a raw socket."""
+def server_alone(count: int, **env: str) -> tuple[float, float]:
+    """(frames/s, server CPU µs per frame) for ``count`` ready-made frames from a raw socket,
+    the server's environment given ``env`` (``THING_PUREPYTHON="1"``: the twin)."""
     import threading
 
     from thing import wire
     from thing.arrays import leaf_bytes
 
     server = subprocess.Popen([sys.executable, "-c", THING_RECEIVER], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=child_env())
+                              stdout=subprocess.PIPE, text=True, env=child_env(**env))
     port = int(server.stdout.readline())
     payload = wire.take_apart(VALUE)
     header = wire.encode_header("s", payload, {"site": "train.py:42 (step)", "rank": 0,
@@ -350,6 +352,8 @@ def main() -> int:
     parser.add_argument("--paced", action="store_true",
                         help="only the paced rows (to compare checkouts run one after another)")
     parser.add_argument("--fan-in", action="store_true", help="only the fan-in row (as --paced)")
+    parser.add_argument("--server", action="store_true",
+                        help="only the server-alone rows (as --paced)")
     args = parser.parse_args()
     count, trials = (5_000, 2) if args.quick else (args.count, args.trials)
     clients, each = (8, 500) if args.quick else (32, 2_000)
@@ -359,6 +363,9 @@ def main() -> int:
         return 0
     if args.fan_in:
         return print_fan_in(clients, each)
+    if args.server:
+        print_server_alone(trials)
+        return 0
     size = frame_size()
     print(f"\n{count} captures of 4 float32 per trial, {trials} trials; thing's frame for one "
           f"is {size} bytes, the raw messages as long.\n")
@@ -386,12 +393,25 @@ def main() -> int:
     print(f"\ncompiled core / pure-Python twin, small captures: "
           f"{median(rates['thing']) / twin:.2f}x")
     all_stored = print_fan_in(clients, each) == 0
-    alone = [server_alone(50_000) for _ in range(trials)]
-    print(f"server alone: {median([rate for rate, _ in alone]):,.0f} frames/s, "
-          f"{median([cpu for _, cpu in alone]):.1f} µs of server CPU per frame "
-          f"(median of {trials})")
+    print_server_alone(trials)
     print_paced(args.quick)
     return 0 if all_stored else 1
+
+
+def print_server_alone(trials: int) -> None:
+    """The server alone, compiled core and twin, trials interleaved; medians and their ratio."""
+    runs: dict[str, list[tuple[float, float]]] = {"compiled core": [], "pure-Python twin": []}
+    for _ in range(trials):
+        runs["compiled core"].append(server_alone(50_000))
+        runs["pure-Python twin"].append(server_alone(50_000, THING_PUREPYTHON="1"))
+    rates = {}
+    for core, alone in runs.items():
+        rates[core] = median([rate for rate, _ in alone])
+        print(f"server alone, {core}: {rates[core]:,.0f} frames/s, "
+              f"{median([cpu for _, cpu in alone]):.1f} µs of server CPU per frame "
+              f"(median of {trials})")
+    print(f"compiled core / pure-Python twin, server alone: "
+          f"{rates['compiled core'] / rates['pure-Python twin']:.2f}x")
 
 
 def print_fan_in(clients: int, each: int) -> int:

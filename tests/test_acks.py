@@ -88,10 +88,11 @@ def test_a_malformed_frame_closes_only_after_the_acks_of_stored_ones() -> None:
 
 
 def test_frames_that_came_together_are_stored_together_and_the_odd_ones_each_as_before(
-) -> None:
+        backend) -> None:
     """A burst of small frames of known headers is stored as a run; a frame among them
     that needs more (a header not seen before, a notice, one over a limit, a bad trailer)
-    is read with every check, in its place: every ack in frame order, every value exact."""
+    is read with every check, in its place: every ack in frame order, every value exact,
+    with either core splitting the run."""
     limits = wire.Limits(max_capture_bytes=1 << 20, max_header_bytes=4 << 10)
     site = {"site": "train.py:1 (step)"}
     frames, expected = [], []  # expected: (seq, name, value) stored, or (seq, None, reason)
@@ -106,6 +107,11 @@ def test_frames_that_came_together_are_stored_together_and_the_odd_ones_each_as_
         elif kind == 41:  # over the limit: refused and read past, the run goes on after it
             frames.append(frame_bytes(np.zeros(2 << 20, np.uint8), "loss", seq, site))
             expected.append((seq, None, b"exceeds"))
+            continue
+        elif kind in (3, 4, 5):  # several arrays in one capture, in the run from the second
+            value = {"w": np.float64([seq, 0.5]), "n": np.int16([-seq, 7, 1])}
+            frames.append(frame_bytes(value, "pair", seq, site))
+            expected.append((seq, "pair", value))
             continue
         else:
             value, name = np.float32([seq, -seq, seq / 7]), "loss"
@@ -134,8 +140,10 @@ def test_frames_that_came_together_are_stored_together_and_the_odd_ones_each_as_
             assert status == wire.ACK_STORED, (seq, message)
             stored = server.capture(capture_id)
             assert stored.name == name and stored.call_site == "train.py:1 (step)"
-            assert stored.value.dtype == value.dtype
-            assert stored.value.tobytes() == value.tobytes(), seq
+            for got, sent in ([(stored.value[key], value[key]) for key in value]
+                              if name == "pair" else [(stored.value, value)]):
+                assert got.dtype == sent.dtype and got.shape == sent.shape, seq
+                assert got.tobytes() == sent.tobytes() and got.flags.writeable, seq
         assert len(acks) == 301 and acks[300][0] == wire.ACK_REJECTED
         assert b"trailer" in acks[300][3], acks[300][3]
         kept = [capture.value.tobytes() for capture in server.store.get_all("loss")]

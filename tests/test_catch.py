@@ -460,3 +460,58 @@ def test_a_large_capture_wakes_an_idle_sender_even_after_a_hurry_that_found_the_
         poll(lambda: "big" in server.store.names(), timeout=10, what="the large capture")
     finally:
         client.close()
+
+
+def test_a_handle_wakes_every_waiter_once_and_keeps_no_waiter_after() -> None:
+    """Handles have no lock of their own: the first wait makes one, shared by every thread
+    waiting on that handle, and the outcome releases it. A timed-out wait leaves the
+    handle pending; a look (wait(0)) never asks the sender to hurry."""
+    from thing import handles
+
+    hurried: list[int] = []
+    handle = handles.CaptureHandle("x", None, lambda: hurried.append(1))
+    assert not handle.done and handle.wait(0) is False and hurried == []
+    assert handle.wait(0.05) is False and not handle.done and hurried == [1]
+    results: list[bool] = []
+    waiters = [threading.Thread(target=lambda: results.append(handle.wait(10)))
+               for _ in range(4)]
+    for waiter in waiters:
+        waiter.start()
+    poll(lambda: len(hurried) == 5, 10)  # every waiter is waiting (or about to)
+    handle.resolve(7)
+    handle.resolve(None, "too late: only the first outcome counts")
+    for waiter in waiters:
+        waiter.join(10)
+    assert results == [True] * 4 and (handle.id, handle.error) == (7, None)
+    assert handle.wait() is True and handle not in handles._waiters
+
+    refused = handles.CaptureHandle("y")
+    threading.Timer(0.05, refused.resolve, (None, "refused by the server: no")).start()
+    assert refused.wait(10) is False and refused.done and refused.error.endswith("no")
+    assert not handles._waiters
+
+
+def test_a_signal_handler_may_wait_on_a_handle_while_the_main_thread_waits_on_another(
+) -> None:
+    """No lock shared by handles is held while waiting: a handler that waits on a capture
+    (a checkpoint on SIGTERM) interrupting a wait on another finishes, and so do both."""
+    import signal
+
+    from thing.handles import CaptureHandle
+
+    outer, inner = CaptureHandle("outer"), CaptureHandle("inner")
+    seen: list[bool] = []
+
+    def on_signal(signum, frame) -> None:
+        threading.Timer(0.05, inner.resolve, (2,)).start()
+        seen.append(inner.wait(10))
+        outer.resolve(1)
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    try:
+        threading.Timer(0.05, signal.pthread_kill,
+                        (threading.main_thread().ident, signal.SIGUSR1)).start()
+        assert outer.wait(10) is True and seen == [True]
+        assert (outer.id, inner.id) == (1, 2)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -185,6 +185,7 @@ class Channel:
         # On-demand names and what they look like, told again on every new connection.
         self._on_demand: dict[str | None, Pending] = {}
         self._headers: dict[tuple[Any, ...], bytes] = {}  # see _header
+        self._hurry = self.hurry  # every handle's, bound once (not one more object a catch)
         self._lost = False  # the reader saw the connection end; the sender must reconnect
         self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
         self._closed = False
@@ -218,7 +219,7 @@ class Channel:
         caught_at = time.time()
         # Every field given, so the tuple is made directly (see Pending).
         pending = _new_pending(Pending, (name, wire.take_apart(obj), site, caught_at, rank,
-                                         CaptureHandle(name, None, self.hurry), None, call,
+                                         CaptureHandle(name, None, self._hurry), None, call,
                                          step, requested))
         return self._enqueue(pending, block, copy, snapshot_bytes)
 
@@ -611,8 +612,7 @@ class Channel:
                     self._steered if "on_demand" in pending.notice else self._notices):
                 self._finish(seq, None, "not sent: this server takes no notices", None)
                 continue
-            if payload.nbytes >= alone or any(leaf.version is not None
-                                              for leaf in payload.leaves):
+            if payload.nbytes >= alone or _read_in_place(payload):
                 flush()
                 self._send(sock, mac, seq, pending, undelivered)
                 continue
@@ -676,7 +676,7 @@ class Channel:
         if not sent:
             buffers = [prefix, header, *views]  # both movers skip empty views
             del views
-            if any(leaf.version is not None for leaf in payload.leaves):
+            if _read_in_place(payload):
                 # Whether a torch tensor moved on is known only once its bytes are in the kernel.
                 send_buffers(sock, buffers)
                 buffers = []
@@ -862,6 +862,16 @@ def read_server_message(stream: StreamReader, mac: auth.SessionMac | None
         raise ProtocolError("an acknowledgement's signature does not match: it did not come "
                             "from the server that proved the token")
     return status, seq, capture_id, message
+
+
+def _read_in_place(payload: wire.Payload) -> bool:
+    """Whether a leaf of ``payload`` is a torch tensor read in place, whose trailer can say
+    whether it moved on only once its bytes are sent. A loop, not any() of a generator,
+    which costs twice as much, for every frame."""
+    for leaf in payload.leaves:  # noqa: SIM110
+        if leaf.version is not None:
+            return True
+    return False
 
 
 def _trailer(mac: auth.SessionMac | None, prefix: bytes, header: bytes,

@@ -11,6 +11,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+# The waiter of each handle someone waits on, made by its first wait() and released by
+# resolve(). Handles have none of their own: a capture costs the training thread no lock
+# and the garbage collector two objects fewer to track. setdefault and pop are each one
+# step under the GIL, so no lock is held that a signal handler's wait() could find taken.
+_waiters: dict[CaptureHandle, threading.Lock] = {}
 _allocate_lock = threading.Lock
 
 
@@ -20,19 +25,16 @@ class CaptureHandle:
     ``id`` is the server's id for it once acknowledged; ``error`` says why not.
     """
 
-    __slots__ = ("name", "id", "error", "_pending", "_hurry")
+    __slots__ = ("name", "id", "error", "_done", "_hurry")
 
     def __init__(self, name: str | None, error: str | None = None,
                  hurry: Callable[[], None] | None = None):
         self.name = name
         self.id: int | None = None
         self.error = error
+        self._done = error is not None
         # Asks the sender to send now: small captures otherwise wait for company.
         self._hurry = hurry
-        self._pending = None
-        if error is None:
-            self._pending = _allocate_lock()
-            self._pending.acquire()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the outcome; True once the capture is stored and visible in the REPL.
@@ -42,26 +44,36 @@ class CaptureHandle:
         small capture still queued is sent at once rather than with the
         sender's next tick (``wait(0)`` only looks).
         """
-        pending = self._pending
-        if pending is not None:
-            # A look (timeout 0) asks for nothing: polling must not undo the batching.
-            if self._hurry is not None and (timeout is None or timeout > 0) and pending.locked():
-                self._hurry()
-            if not pending.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
-                return False
-            pending.release()
+        if self._done or (timeout is not None and timeout <= 0):
+            return self.id is not None
+        waiter = _allocate_lock()
+        waiter.acquire()
+        waiter = _waiters.setdefault(self, waiter)  # the one every waiter of this handle shares
+        if self._done:  # resolved before the waiter was there to be released
+            _waiters.pop(self, None)
+            return self.id is not None
+        # Only a real wait asks: polling with wait(0) must not undo the batching.
+        if self._hurry is not None:
+            self._hurry()
+        if not waiter.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        waiter.release()  # for the next waiter of the same handle
         return self.id is not None
 
     @property
     def done(self) -> bool:
         """True once the capture was stored, refused or not sent."""
-        return self._pending is None or not self._pending.locked()
+        return self._done
 
     def resolve(self, capture_id: int | None, error: str | None = None) -> None:
         """Record the outcome; only the first call counts."""
-        if self._pending is not None and self._pending.locked():
-            self.id, self.error = capture_id, error
-            self._pending.release()
+        if self._done:
+            return
+        self.id, self.error = capture_id, error
+        self._done = True  # after the outcome: whoever sees it done sees the outcome
+        waiter = _waiters.pop(self, None)
+        if waiter is not None:
+            waiter.release()
 
     def __repr__(self) -> str:
         state = (

@@ -14,10 +14,10 @@ import struct
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 from . import config
-from ._core import recv_buffers, split_stored_acks
+from ._core import recv_buffers, split_small_frames, split_stored_acks
 from .arrays import (
     CARRIER_DTYPES,
     FRAMEWORKS,
@@ -393,6 +393,21 @@ def decode_trailer(trailer: bytes | memoryview) -> bool:
     if tag != TRAILER_TAG or flags & ~FLAG_MODIFIED_DURING_SEND:
         raise ProtocolError(f"bad frame trailer {bytes(trailer)!r}")
     return bool(flags & FLAG_MODIFIED_DURING_SEND)
+
+
+# A frame split by decode_small_frames: (its end's offset, header bytes, payload, seq,
+# caught_at, call, step, modified), the per-call fields as decode_prefix gives them.
+SmallFrame = tuple[int, bytes, bytearray, int, Optional[float], Optional[int], Optional[int],
+                   bool]  # noqa: UP007 (3.9)
+
+
+def decode_small_frames(data: Any, limit: int, max_payload: int) -> list[SmallFrame]:
+    """The inline capture frames with payloads under ``max_payload`` bytes whole at the start
+    of ``data``, at most ``limit``, each read as :func:`decode_prefix` and
+    :func:`decode_trailer` read it, its payload copied out. Stops at the first that is
+    anything else, for the general reader to read (and refuse, if it must); the compiled
+    core splits a run in one call (the pure-Python twin as its reference)."""
+    return split_small_frames(data, limit, max_payload)
 
 
 # What parsing one JSON element can make, at most, in bytes of Python objects: an object

@@ -9,9 +9,9 @@ holds the GIL never slows a transfer down chunk by chunk.
 The socket must be in blocking mode; timeouts come from ``SO_SNDTIMEO`` /
 ``SO_RCVTIMEO`` and surface as ``TimeoutError``.
 
-``split_stored_acks`` splits a burst of the server's "stored" acknowledgements
-in one call, on the bytes one receive brought: the client's share of reading
-many small messages per system call.
+``split_stored_acks`` splits a burst of the server's "stored" acknowledgements,
+and ``split_small_frames`` a run of a client's small frames, in one call each,
+on the bytes one receive brought: reading many small messages per system call.
 """
 
 from cpython.buffer cimport (
@@ -21,10 +21,13 @@ from cpython.buffer cimport (
     PyBuffer_Release,
     PyObject_GetBuffer,
 )
+from cpython.bytearray cimport PyByteArray_FromStringAndSize
+from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.errno cimport EAGAIN, ECONNRESET, EINTR, EMSGSIZE, errno
-from libc.string cimport memcpy, memset, strerror
+from libc.limits cimport LLONG_MIN
+from libc.string cimport memcmp, memcpy, memset, strerror
 
 cdef extern from "<sys/uio.h>":
     struct iovec:
@@ -279,6 +282,86 @@ def split_stored_acks(buffer, Py_ssize_t limit) -> list:
             acks.append((0, _little_u64(at + 8), <long long>_little_u64(at + 16), b""))
             offset += ACK_BYTES
         return acks
+    finally:
+        PyBuffer_Release(&view)
+
+
+# A frame as wire.FRAME_PREFIX and wire.FRAME_TRAILER lay it out, little-endian: b"TF", kind
+# (u16), header length (u32), payload length (u64), seq (u64), time of the call (f64), call
+# number (u64), step (i64); the header and payload; b"TE", flags (u16), reserved (u32).
+cdef enum:
+    PREFIX_BYTES = 48
+    TRAILER_BYTES = 8
+    KIND_CAPTURE = 1
+    FLAG_MODIFIED = 1
+
+cdef double MAX_TIME = 1e11  # wire.MAX_TIME: a time outside +-MAX_TIME is no time
+cdef long long NO_STEP = LLONG_MIN  # wire.NO_STEP
+
+
+def split_small_frames(buffer, Py_ssize_t limit, unsigned long long max_payload) -> list:
+    """The small inline capture frames whole at the start of ``buffer``, up to ``limit``.
+
+    Returns ``(end, header, payload, seq, caught_at, call, step, modified)`` for
+    each, in order: ``end`` is its end's offset in ``buffer``, ``header`` its
+    header's bytes (the same object as the frame before's when the bytes are
+    the same, so a lookup by them hashes once a run), ``payload`` a new
+    ``bytearray`` of its payload (below ``max_payload`` bytes), and the rest as
+    ``wire.decode_prefix`` and ``wire.decode_trailer`` give them. Stops at the
+    first that is anything else (another kind, a large or partial one, a bad
+    prefix or trailer), which the caller reads the general way: the server's
+    share of splitting many small frames per receive.
+    """
+    cdef Py_buffer view
+    cdef const unsigned char *at
+    cdef const unsigned char *trailer
+    cdef Py_ssize_t offset = 0
+    cdef size_t left, header_len
+    cdef unsigned long long payload_len, bits, call
+    cdef double caught_at
+    cdef long long step
+    cdef bytes header = None
+    cdef const char *last_header = NULL
+    cdef size_t last_header_len = 0
+    cdef list frames = []
+    PyObject_GetBuffer(buffer, &view, PyBUF_C_CONTIGUOUS)
+    try:
+        while len(frames) < limit:
+            left = <size_t>(view.len - offset)
+            if left < PREFIX_BYTES:
+                break
+            at = <const unsigned char *>view.buf + offset
+            if at[0] != 84 or at[1] != 70 or at[2] != KIND_CAPTURE or at[3]:  # "TF", kind
+                break
+            header_len = <size_t>(at[4] | (at[5] << 8) | (at[6] << 16) | (<size_t>at[7] << 24))
+            payload_len = _little_u64(at + 8)
+            if payload_len >= max_payload:
+                break
+            if left < PREFIX_BYTES + header_len + <size_t>payload_len + TRAILER_BYTES:
+                break
+            trailer = at + PREFIX_BYTES + header_len + payload_len
+            if trailer[0] != 84 or trailer[1] != 69 or trailer[3] or trailer[2] & ~FLAG_MODIFIED:
+                break  # not "TE", or flags it does not know
+            if header is None or header_len != last_header_len or memcmp(
+                    last_header, at + PREFIX_BYTES, header_len):
+                header = PyBytes_FromStringAndSize(<const char *>at + PREFIX_BYTES,
+                                                   <Py_ssize_t>header_len)
+                last_header, last_header_len = <const char *>header, header_len
+            bits = _little_u64(at + 24)
+            memcpy(&caught_at, &bits, sizeof(double))
+            call = _little_u64(at + 32)
+            step = <long long>_little_u64(at + 40)
+            offset += PREFIX_BYTES + header_len + payload_len + TRAILER_BYTES
+            frames.append((
+                offset, header,
+                PyByteArray_FromStringAndSize(<const char *>at + PREFIX_BYTES + header_len,
+                                              <Py_ssize_t>payload_len),
+                _little_u64(at + 16),
+                caught_at if -MAX_TIME < caught_at < MAX_TIME else None,
+                call if call else None,
+                None if step == NO_STEP else step,
+                bool(trailer[2] & FLAG_MODIFIED)))
+        return frames
     finally:
         PyBuffer_Release(&view)
 

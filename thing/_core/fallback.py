@@ -112,6 +112,44 @@ def split_stored_acks(buffer: object, limit: int) -> list[tuple[int, int, int, b
     return acks
 
 
+# A frame, as wire.FRAME_PREFIX and wire.FRAME_TRAILER lay it out.
+_PREFIX = struct.Struct("<2sHIQQdQq")
+_TRAILER = struct.Struct("<2sHI")
+_KIND_CAPTURE = 1
+_FLAG_MODIFIED = 1
+_MAX_TIME = 1e11
+_NO_STEP = -(1 << 63)
+
+
+def split_small_frames(buffer: object, limit: int, max_payload: int) -> list[tuple]:
+    """The small inline capture frames whole at the start of ``buffer``, up to ``limit``, as
+    ``(end, header, payload, seq, caught_at, call, step, modified)``; stops at the first
+    that is anything else."""
+    view = _byte_view(buffer, writable=False)
+    frames: list[tuple] = []
+    offset, header = 0, None
+    while len(frames) < limit and view.nbytes - offset >= _PREFIX.size:
+        tag, kind, header_len, payload_len, seq, caught_at, call, step = _PREFIX.unpack_from(
+            view, offset)
+        header_at = offset + _PREFIX.size
+        payload_at = header_at + header_len
+        trailer_at = payload_at + payload_len
+        if (tag != b"TF" or kind != _KIND_CAPTURE or payload_len >= max_payload
+                or trailer_at + _TRAILER.size > view.nbytes):
+            break
+        trailer_tag, flags, _ = _TRAILER.unpack_from(view, trailer_at)
+        if trailer_tag != b"TE" or flags & ~_FLAG_MODIFIED:
+            break
+        if header is None or view[header_at:payload_at] != header:
+            header = bytes(view[header_at:payload_at])
+        offset = trailer_at + _TRAILER.size
+        frames.append((offset, header, bytearray(view[payload_at:trailer_at]), seq,
+                       caught_at if -_MAX_TIME < caught_at < _MAX_TIME else None,
+                       call or None, None if step == _NO_STEP else step,
+                       bool(flags & _FLAG_MODIFIED)))
+    return frames
+
+
 def copy_into(destination: object, source: object) -> int:
     """Copy all bytes of ``source`` into the start of writable ``destination``; return the count."""
     src = _byte_view(source, writable=False)
