@@ -17,7 +17,9 @@ receiver keeps every message, in order, and the last one is checked bit-exact.
   ``thing-py`` (the same with the pure-Python twin, ``THING_PUREPYTHON=1``) and
   ``thing-tcp``: ``client.catch(x, name="s", block=True)`` N times, then
   ``wait()`` on the last; the server keeps its history as a user's does
-  (every capture kept, no ``max_versions``).
+  (every capture kept, no ``max_versions``). ``thing-torch``: ``thing`` from a
+  client process that imported torch first, as a training process has: its
+  objects are what every garbage collection the captures trigger walks.
 - ``fan-in``: 32 client processes × 2,000 captures each (``block=True``) into
   one thing server, started together once all are connected; aggregate rate
   from that start to the last one's last acknowledgement, every capture counted.
@@ -41,6 +43,7 @@ method's median as a multiple of raw-unix's median.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import subprocess
@@ -158,7 +161,7 @@ class RawMethod:
 
 
 class ThingMethod:
-    def __init__(self, count: int, **env: str):
+    def __init__(self, count: int, with_torch: bool = False, **env: str):
         import thing
 
         self.count = count
@@ -168,11 +171,13 @@ class ThingMethod:
                                       env=child_env(**env))
         port = int(self.child.stdout.readline())
         # The client in this process takes the path THING_TRANSPORT says; the twin is
-        # chosen at import, so the pure-Python client runs in a child of its own.
+        # chosen at import, and torch cannot be unimported, so those clients run in a
+        # child of their own.
         self.client_child = None
-        if env.get("THING_PUREPYTHON"):
+        if env.get("THING_PUREPYTHON") or with_torch:
             self.client_child = subprocess.Popen(
-                [sys.executable, "-c", textwrap.dedent(TWIN_CLIENT), str(port), str(count)],
+                [sys.executable, "-c", textwrap.dedent(CHILD_CLIENT), str(port), str(count),
+                 "torch" if with_torch else "-"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(**env))
             assert self.client_child.stdout.readline().strip() == "ready"
         else:
@@ -210,8 +215,11 @@ class ThingMethod:
         self.child.wait()
 
 
-TWIN_CLIENT = """
-import sys, time, numpy as np, thing
+CHILD_CLIENT = """
+import sys, time, numpy as np
+if sys.argv[3] == "torch":
+    import torch  # a training process's heap: what a garbage collection it triggers walks
+import thing
 client = thing.Client("127.0.0.1", int(sys.argv[1]))
 value = np.arange(4, dtype=np.float32)
 assert client.catch(value, name="warm").wait(10)
@@ -376,6 +384,8 @@ def main() -> int:
         "thing-py": ThingMethod(count, THING_PUREPYTHON="1"),
         "thing-tcp": ThingMethod(count, THING_TRANSPORT="tcp"),
     }
+    if importlib.util.find_spec("torch") is not None:
+        methods["thing-torch"] = ThingMethod(count, with_torch=True)
     rates: dict[str, list[float]] = {key: [] for key in methods}
     try:
         for trial in range(trials):

@@ -267,3 +267,45 @@ def test_a_claim_evicts_nothing_only_arriving_bytes_do() -> None:
     assert store.evicted == 1 and store.get("n1") is kept[1]
     store.release(8 * each, 2 * each)  # the frame is dropped: the rest stays
     assert len(store) == 8 and store.held_bytes == 8 * each
+
+
+def test_a_long_history_costs_the_garbage_collector_one_object_per_capture(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every full collection in the REPL walks every object it tracks: a received capture
+    is kept as one (its arrays in a tuple the collector stops tracking), not three, and its
+    value is still built whole, from the same memory, when asked for."""
+    import gc
+
+    import thing
+
+    from .conftest import run_script
+
+    count = 2000
+    monkeypatch.setenv("THING_STATS_SHARE", "0")  # statistics, once worked out, are kept too
+    with thing.Server(port=0) as server:
+        gc.collect()
+        before = len(gc.get_objects())
+        run_script(
+            f"""
+            import numpy as np, thing
+            for i in range({count}):
+                value = (np.float32([i, -i]) if i % 2 else
+                         {{"w": np.arange(i % 7, dtype=np.int16), "n": np.float64(i)}})
+                handle = thing.catch(value, name="s", block=True)
+            assert handle.wait(30), handle.error
+            """,
+            server.port,
+        )
+        gc.collect()
+        per_capture = (len(gc.get_objects()) - before) / count
+        kept = server.store.get_all("s")
+        assert len(kept) == count and per_capture < 1.2, per_capture
+        for i in (0, 1, count - 2, count - 1):
+            value = kept[i].value
+            if i % 2:
+                assert value.tobytes() == np.float32([i, -i]).tobytes()
+            else:
+                assert value["w"].tobytes() == np.arange(i % 7, dtype=np.int16).tobytes()
+                assert value["n"] == np.float64(i)
+        parts = kept[1].parts()
+        assert np.shares_memory(parts.arrays[0], kept[1].value)

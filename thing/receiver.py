@@ -730,7 +730,7 @@ class _Charge:
 
 
 def _arrays_of(layout: tuple[tuple[np.dtype, int, tuple[int, ...]], ...],
-               payload: bytearray) -> list[np.ndarray]:
+               payload: bytearray) -> tuple[np.ndarray, ...]:
     """The arrays of ``layout`` in a small frame's ``payload`` (copied out of the read-ahead
     buffer already): one numpy call per array, not three (view, reshape, copy), which had
     been a fifth of a connection thread's time in a flood.
@@ -740,13 +740,13 @@ def _arrays_of(layout: tuple[tuple[np.dtype, int, tuple[int, ...]], ...],
     """
     if len(layout) == 1:
         dtype, _, shape = layout[0]
-        return [np.ndarray(shape, dtype, payload)]
+        return (np.ndarray(shape, dtype, payload),)
     arrays, offset, data = [], 0, memoryview(payload)
     for dtype, count, shape in layout:
         end = offset + count * dtype.itemsize
         arrays.append(np.ndarray(shape, dtype, bytearray(data[offset:end])))
         offset = end
-    return arrays
+    return tuple(arrays)
 
 
 def _batches(views: list[np.ndarray], limit: int) -> list[list[np.ndarray]]:

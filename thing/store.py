@@ -63,7 +63,7 @@ class Capture:
     ``value`` is built on first access (see :class:`thing.wire.ReceivedValue`).
     """
 
-    __slots__ = ("id", "name", "_value", "_received", "leaves", "nbytes", "sender",
+    __slots__ = ("id", "name", "_value", "_tree", "_arrays", "leaves", "nbytes", "sender",
                  "received_at", "caught_at", "call_site", "consistent", "call", "given_step",
                  "requested", "stats")
 
@@ -74,9 +74,15 @@ class Capture:
                  step: int | None = None, requested: bool = False):
         self.id = id
         self.name = name
-        self._value = value
-        # Kept once the value is built: what save() writes, with no framework imported.
-        self._received = value if isinstance(value, ReceivedValue) else None
+        if isinstance(value, ReceivedValue):
+            # Kept as its parts, also once the value is built (what save() writes, with no
+            # framework imported), and not as one more object: the arrays' tuple is one the
+            # garbage collector stops tracking, so each capture of a long history costs every
+            # full collection one object to walk, the capture, not three.
+            self._tree, self._arrays, self._value = value.tree, tuple(value.arrays), _NOT_BUILT
+        else:
+            self._tree = self._arrays = None
+            self._value = value
         self.leaves = leaves
         self.nbytes = nbytes
         self.sender = sender
@@ -93,10 +99,10 @@ class Capture:
     def value(self) -> Any:
         """The captured object: arrays as the framework they were sent from, never copied."""
         value = self._value
-        if isinstance(value, ReceivedValue):
+        if value is _NOT_BUILT:
             with _building:  # two REPL threads asking at once get the same object
-                if self._value is value:
-                    self._value = value.build()
+                if self._value is _NOT_BUILT:
+                    self._value = self.parts().build()
                 value = self._value
         return value
 
@@ -113,8 +119,8 @@ class Capture:
     def parts(self) -> ReceivedValue:
         """The capture as frames and recordings carry it: its tree, leaf specs and numpy
         arrays (in their carrier dtypes, sharing the capture's memory where it can)."""
-        if self._received is not None:
-            return self._received
+        if self._arrays is not None:
+            return ReceivedValue(self._tree, self.leaves, self._arrays)
         payload = take_apart(self.value)
         specs = tuple(leaf.spec for leaf in payload.leaves)
         arrays = [np.frombuffer(leaf_bytes(leaf), CARRIER_DTYPES[leaf.spec.dtype])
@@ -132,6 +138,7 @@ class Capture:
 
 
 _building = threading.Lock()
+_NOT_BUILT = object()  # a received capture's value until first asked for
 
 
 def value_of(capture: Capture) -> Any:

@@ -12,7 +12,7 @@ import json
 import math
 import struct
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
@@ -707,7 +707,7 @@ class ReceivedValue:
 
     __slots__ = ("tree", "specs", "arrays")
 
-    def __init__(self, tree: Any, specs: tuple[LeafSpec, ...], arrays: list[Any]):
+    def __init__(self, tree: Any, specs: tuple[LeafSpec, ...], arrays: Sequence[Any]):
         self.tree = tree
         self.specs = specs
         self.arrays = arrays
