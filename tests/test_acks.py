@@ -144,6 +144,7 @@ def test_frames_that_came_together_are_stored_together_and_the_odd_ones_each_as_
                               if name == "pair" else [(stored.value, value)]):
                 assert got.dtype == sent.dtype and got.shape == sent.shape, seq
                 assert got.tobytes() == sent.tobytes() and got.flags.writeable, seq
+                assert got.flags.aligned, seq
         assert len(acks) == 301 and acks[300][0] == wire.ACK_REJECTED
         assert b"trailer" in acks[300][3], acks[300][3]
         kept = [capture.value.tobytes() for capture in server.store.get_all("loss")]

@@ -488,7 +488,28 @@ def test_a_handle_wakes_every_waiter_once_and_keeps_no_waiter_after() -> None:
     refused = handles.CaptureHandle("y")
     threading.Timer(0.05, refused.resolve, (None, "refused by the server: no")).start()
     assert refused.wait(10) is False and refused.done and refused.error.endswith("no")
-    assert not handles._waiters
+    assert refused not in handles._waiters
+
+
+def test_a_handle_resolved_while_its_first_waiter_arrives_is_not_waited_for(monkeypatch
+                                                                           ) -> None:
+    """The outcome lands between a wait() putting its waiter in place and looking again:
+    the wait returns at once, with the outcome, and leaves no waiter behind."""
+    from thing import handles
+
+    handle = handles.CaptureHandle("x")
+
+    class ResolvedMeanwhile(dict):
+        def setdefault(self, key, default=None):
+            placed = super().setdefault(key, default)
+            if key is handle:
+                handle.resolve(None, "refused by the server: meanwhile")
+            return placed
+
+    monkeypatch.setattr(handles, "_waiters", ResolvedMeanwhile())
+    started = time.monotonic()
+    assert handle.wait(10) is False and handle.error.endswith("meanwhile")
+    assert time.monotonic() - started < 5 and handle not in handles._waiters
 
 
 def test_a_signal_handler_may_wait_on_a_handle_while_the_main_thread_waits_on_another(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
 import time
 
@@ -309,3 +311,6 @@ def test_a_long_history_costs_the_garbage_collector_one_object_per_capture(
                 assert value["n"] == np.float64(i)
         parts = kept[1].parts()
         assert np.shares_memory(parts.arrays[0], kept[1].value)
+        # a copy or a pickle of a capture not yet looked at builds the same value
+        for copied in (copy.deepcopy(kept[3]), pickle.loads(pickle.dumps(kept[3]))):
+            assert copied.value.tobytes() == np.float32([3, -3]).tobytes()

@@ -175,9 +175,9 @@ class Channel:
         self._idle = False
         self._send_now = False
         self._queued_bytes = 0  # of the captures in _queue
-        # Sent and awaiting the server's ack, in the order they were sent. Ordered, not a
-        # dict: a dict's first key is found by walking past every key popped before it (a
-        # microsecond an acknowledgement, with a thousand frames in flight).
+        # Sent and awaiting the server's ack, in the order they were sent. An OrderedDict
+        # finds its first key at once; a plain dict walks past every key popped before it
+        # (a microsecond an acknowledgement, with a thousand frames in flight).
         self._inflight: OrderedDict[int, Pending] = OrderedDict()
         self._next_seq = 0  # frames are numbered in the order they are sent
         self._sock: socket.socket | None = None

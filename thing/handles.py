@@ -11,10 +11,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-# The waiter of each handle someone waits on, made by its first wait() and released by
-# resolve(). Handles have none of their own: a capture costs the training thread no lock
-# and the garbage collector two objects fewer to track. setdefault and pop are each one
-# step under the GIL, so no lock is held that a signal handler's wait() could find taken.
+# The waiter of each handle someone waits on, made by its first wait() and released (and
+# dropped from here) by resolve(): every handle a channel hands out is resolved. Handles
+# have no lock of their own: a capture costs the training thread no lock, and the garbage
+# collector one object fewer to track. setdefault and pop are each one step under the GIL,
+# so no lock is held that a signal handler's wait() could find taken.
 _waiters: dict[CaptureHandle, threading.Lock] = {}
 _allocate_lock = threading.Lock
 

@@ -154,6 +154,8 @@ class Connection:
         self._deadline = _ReadDeadline(settings.deadlines, sock, settings.idle_timeout)
         self._stream = StreamReader(sock, before_wait=self._deadline.start)
         self._headers: dict[bytes, KnownHeader] = {}  # raw header -> what it tells
+        # Those of them a run may store (see _receive_run): no notice, nothing to check.
+        self._runnable: dict[bytes, KnownHeader] = {}
         self._headers_cost = 0
 
     @property
@@ -277,11 +279,12 @@ class Connection:
 
     def _receive_run(self) -> int:
         """Store the frames already here whole that ask for nothing but storing, together:
-        small, inline, unsigned, with a header this connection validated before (a
-        training loop's every step). Returns how many it stored: with the acknowledgements
-        already waiting, at most ACK_BATCH (one write's worth). At the first frame that is
-        not one (not whole yet, or one the store could refuse) it stops, and
-        :meth:`_receive_frame` reads that one with every check and every way it can end.
+        small, inline, unsigned, with a header this connection validated and kept before,
+        that is no notice and has nothing to check (a training loop's every step).
+        Returns how many it stored: with the acknowledgements already waiting, at most
+        ACK_BATCH (one write's worth). At the first frame that is not one (not whole yet,
+        or one the store could refuse) it stops, and :meth:`_receive_frame` reads that one
+        with every check and every way it can end.
         """
         stream, store = self._stream, self.settings.store
         if self.mac is not None or stream.descriptors_waiting:
@@ -290,14 +293,11 @@ class Connection:
         charges: list[int] = []
         seqs: list[int] = []
         start = 0  # of the next frame in what has arrived
-        for end, raw_header, payload, seq, caught_at, call, step, modified in \
+        for end, known, payload, seq, caught_at, call, step, modified in \
                 wire.decode_small_frames(stream.peek(stream.buffered),
-                                         ACK_BATCH - len(self._acks), SMALL_BYTES):
-            known = self._headers.get(raw_header)
-            charge = len(payload) + (0 if known is None else known.record_bytes)
-            if (known is None or known.notice is not None or known.sparse
-                    or known.header.nbytes != len(payload)
-                    or charge > store.max_bytes // 2
+                                         ACK_BATCH - len(self._acks), SMALL_BYTES, self._runnable):
+            charge = len(payload) + known.record_bytes
+            if (known.header.nbytes != len(payload) or charge > store.max_bytes // 2
                     or not store.could_reserve(len(payload))):
                 break
             header = known.header
@@ -422,6 +422,8 @@ class Connection:
                 and self.settings.header_budget.take_spare(cost)):
             self._headers[raw] = header
             self._headers_cost += cost
+            if header.notice is None and not header.sparse:
+                self._runnable[raw] = header
         return header
 
     def _receive_payload(self, prefix: wire.FramePrefix, known: KnownHeader,
@@ -443,7 +445,7 @@ class Connection:
                 here := self._stream.take(payload_len + self._trailer_size)) is not None:
             # Read ahead with frames before it: copied out, one numpy call per array.
             charge.fill(payload_len)
-            arrays = _arrays_of(known.layout, bytearray(here[:payload_len]))
+            arrays = _arrays_of(known.layout, here[:payload_len])
             trailer[:] = here[payload_len:]
         else:
             if payload_len >= SMALL_BYTES:
@@ -569,6 +571,7 @@ class Connection:
         self._stream.close()
         self.settings.header_budget.give_back(self._headers_cost)
         self._headers.clear()
+        self._runnable.clear()
         self._headers_cost = 0
         try:
             set_timeouts(sock, 1.0, 0.2)
@@ -730,15 +733,17 @@ class _Charge:
 
 
 def _arrays_of(layout: tuple[tuple[np.dtype, int, tuple[int, ...]], ...],
-               payload: bytearray) -> tuple[np.ndarray, ...]:
-    """The arrays of ``layout`` in a small frame's ``payload`` (copied out of the read-ahead
-    buffer already): one numpy call per array, not three (view, reshape, copy), which had
-    been a fifth of a connection thread's time in a flood.
+               payload: bytearray | memoryview) -> tuple[np.ndarray, ...]:
+    """The arrays of ``layout`` in a small frame's ``payload``: one numpy call per array, not
+    three (view, reshape, copy), which had been a fifth of a connection thread's time in a
+    flood.
 
-    A single array owns the payload; several each own a copy of their bytes, so
-    each starts where an allocation does (aligned) and frees its memory alone.
+    A single array owns a ``bytearray`` payload (one the core copied out of the
+    read-ahead buffer). Anything else is copied, each array into its own
+    ``bytearray``, so each starts where an allocation does (aligned) and frees
+    its memory alone.
     """
-    if len(layout) == 1:
+    if len(layout) == 1 and type(payload) is bytearray:
         dtype, _, shape = layout[0]
         return (np.ndarray(shape, dtype, payload),)
     arrays, offset, data = [], 0, memoryview(payload)

@@ -138,7 +138,17 @@ class Capture:
 
 
 _building = threading.Lock()
-_NOT_BUILT = object()  # a received capture's value until first asked for
+
+
+class _NotBuilt:
+    """A received capture's value until first asked for: one object, also through a copy
+    or a pickle of the capture (both find it by its name here)."""
+
+    def __reduce__(self) -> str:
+        return "_NOT_BUILT"
+
+
+_NOT_BUILT = _NotBuilt()
 
 
 def value_of(capture: Capture) -> Any:

@@ -14,7 +14,7 @@ import struct
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 from . import config
 from ._core import recv_buffers, split_small_frames, split_stored_acks
@@ -395,19 +395,17 @@ def decode_trailer(trailer: bytes | memoryview) -> bool:
     return bool(flags & FLAG_MODIFIED_DURING_SEND)
 
 
-# A frame split by decode_small_frames: (its end's offset, header bytes, payload, seq,
-# caught_at, call, step, modified), the per-call fields as decode_prefix gives them.
-SmallFrame = tuple[int, bytes, bytearray, int, Optional[float], Optional[int], Optional[int],
-                   bool]  # noqa: UP007 (3.9)
-
-
-def decode_small_frames(data: Any, limit: int, max_payload: int) -> list[SmallFrame]:
-    """The inline capture frames with payloads under ``max_payload`` bytes whole at the start
-    of ``data``, at most ``limit``, each read as :func:`decode_prefix` and
-    :func:`decode_trailer` read it, its payload copied out. Stops at the first that is
-    anything else, for the general reader to read (and refuse, if it must); the compiled
-    core splits a run in one call (the pure-Python twin as its reference)."""
-    return split_small_frames(data, limit, max_payload)
+def decode_small_frames(data: Any, limit: int, max_payload: int, headers: dict[bytes, Any]
+                        ) -> list[tuple[int, Any, bytearray, int, float | None, int | None,
+                                        int | None, bool]]:
+    """The inline capture frames with payloads under ``max_payload`` bytes and a header whose
+    bytes are a key of ``headers``, whole at the start of ``data``, at most ``limit``: each
+    ``(end, headers[its header], payload, seq, caught_at, call, step, modified)``, read as
+    :func:`decode_prefix` and :func:`decode_trailer` read it, its payload copied out (``end``:
+    its end's offset). Stops at the first that is anything else, for the general reader to
+    read (and refuse, if it must); the compiled core splits a run in one call (the
+    pure-Python twin as its reference)."""
+    return split_small_frames(data, limit, max_payload, headers)
 
 
 # What parsing one JSON element can make, at most, in bytes of Python objects: an object

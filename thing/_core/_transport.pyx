@@ -299,18 +299,21 @@ cdef double MAX_TIME = 1e11  # wire.MAX_TIME: a time outside +-MAX_TIME is no ti
 cdef long long NO_STEP = LLONG_MIN  # wire.NO_STEP
 
 
-def split_small_frames(buffer, Py_ssize_t limit, unsigned long long max_payload) -> list:
-    """The small inline capture frames whole at the start of ``buffer``, up to ``limit``.
+def split_small_frames(buffer, Py_ssize_t limit, Py_ssize_t max_payload,
+                       dict headers not None) -> list:
+    """The small inline capture frames whole at the start of ``buffer``, up to ``limit``,
+    whose header's bytes are a key of ``headers``.
 
-    Returns ``(end, header, payload, seq, caught_at, call, step, modified)`` for
-    each, in order: ``end`` is its end's offset in ``buffer``, ``header`` its
-    header's bytes (the same object as the frame before's when the bytes are
-    the same, so a lookup by them hashes once a run), ``payload`` a new
-    ``bytearray`` of its payload (below ``max_payload`` bytes), and the rest as
-    ``wire.decode_prefix`` and ``wire.decode_trailer`` give them. Stops at the
-    first that is anything else (another kind, a large or partial one, a bad
-    prefix or trailer), which the caller reads the general way: the server's
-    share of splitting many small frames per receive.
+    Returns ``(end, known, payload, seq, caught_at, call, step, modified)`` for
+    each, in order: ``end`` is its end's offset in ``buffer``, ``known`` the
+    value ``headers`` holds for its header (looked up once for a run of frames
+    with the same header), ``payload`` a new ``bytearray`` of its payload
+    (below ``max_payload`` bytes), and the rest as ``wire.decode_prefix`` and
+    ``wire.decode_trailer`` give them. Stops at the first that is anything else
+    (another kind, a large or partial one, a bad prefix or trailer, a header
+    not in ``headers``), which the caller reads the general way, before
+    copying its payload: the server's share of splitting many small frames
+    per receive.
     """
     cdef Py_buffer view
     cdef const unsigned char *at
@@ -321,9 +324,12 @@ def split_small_frames(buffer, Py_ssize_t limit, unsigned long long max_payload)
     cdef double caught_at
     cdef long long step
     cdef bytes header = None
+    cdef object known = None
     cdef const char *last_header = NULL
     cdef size_t last_header_len = 0
     cdef list frames = []
+    if max_payload <= 0:
+        return frames
     PyObject_GetBuffer(buffer, &view, PyBUF_C_CONTIGUOUS)
     try:
         while len(frames) < limit:
@@ -335,7 +341,8 @@ def split_small_frames(buffer, Py_ssize_t limit, unsigned long long max_payload)
                 break
             header_len = <size_t>(at[4] | (at[5] << 8) | (at[6] << 16) | (<size_t>at[7] << 24))
             payload_len = _little_u64(at + 8)
-            if payload_len >= max_payload:
+            # Below max_payload (at most 2**63 - 1), so the sum below cannot wrap.
+            if payload_len >= <unsigned long long>max_payload:
                 break
             if left < PREFIX_BYTES + header_len + <size_t>payload_len + TRAILER_BYTES:
                 break
@@ -347,13 +354,16 @@ def split_small_frames(buffer, Py_ssize_t limit, unsigned long long max_payload)
                 header = PyBytes_FromStringAndSize(<const char *>at + PREFIX_BYTES,
                                                    <Py_ssize_t>header_len)
                 last_header, last_header_len = <const char *>header, header_len
+                known = headers.get(header)
+            if known is None:
+                break
             bits = _little_u64(at + 24)
             memcpy(&caught_at, &bits, sizeof(double))
             call = _little_u64(at + 32)
             step = <long long>_little_u64(at + 40)
             offset += PREFIX_BYTES + header_len + payload_len + TRAILER_BYTES
             frames.append((
-                offset, header,
+                offset, known,
                 PyByteArray_FromStringAndSize(<const char *>at + PREFIX_BYTES + header_len,
                                               <Py_ssize_t>payload_len),
                 _little_u64(at + 16),

@@ -15,6 +15,7 @@ import socket
 import struct
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 # Linux and macOS both cap one sendmsg/recvmsg at 1024 buffers.
 _IOV_MAX = 1024
@@ -121,13 +122,14 @@ _MAX_TIME = 1e11
 _NO_STEP = -(1 << 63)
 
 
-def split_small_frames(buffer: object, limit: int, max_payload: int) -> list[tuple]:
-    """The small inline capture frames whole at the start of ``buffer``, up to ``limit``, as
-    ``(end, header, payload, seq, caught_at, call, step, modified)``; stops at the first
-    that is anything else."""
+def split_small_frames(buffer: object, limit: int, max_payload: int,
+                       headers: dict[bytes, Any]) -> list[tuple]:
+    """The small inline capture frames whole at the start of ``buffer``, up to ``limit``,
+    whose header's bytes are a key of ``headers``, as ``(end, headers[header], payload,
+    seq, caught_at, call, step, modified)``; stops at the first that is anything else."""
     view = _byte_view(buffer, writable=False)
     frames: list[tuple] = []
-    offset, header = 0, None
+    offset, header, known = 0, None, None
     while len(frames) < limit and view.nbytes - offset >= _PREFIX.size:
         tag, kind, header_len, payload_len, seq, caught_at, call, step = _PREFIX.unpack_from(
             view, offset)
@@ -142,8 +144,11 @@ def split_small_frames(buffer: object, limit: int, max_payload: int) -> list[tup
             break
         if header is None or view[header_at:payload_at] != header:
             header = bytes(view[header_at:payload_at])
+            known = headers.get(header)
+        if known is None:
+            break
         offset = trailer_at + _TRAILER.size
-        frames.append((offset, header, bytearray(view[payload_at:trailer_at]), seq,
+        frames.append((offset, known, bytearray(view[payload_at:trailer_at]), seq,
                        caught_at if -_MAX_TIME < caught_at < _MAX_TIME else None,
                        call or None, None if step == _NO_STEP else step,
                        bool(flags & _FLAG_MODIFIED)))
