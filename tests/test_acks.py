@@ -8,6 +8,7 @@ capture, never a handle left pending.
 from __future__ import annotations
 
 import json
+import select
 import signal
 import socket
 import threading
@@ -16,6 +17,7 @@ import numpy as np
 
 import thing
 from thing import wire
+from thing.channel import MAX_IN_FLIGHT
 from thing.sockets import connect, set_timeouts
 from thing.stream import StreamReader
 
@@ -335,8 +337,10 @@ def test_a_stream_cut_inside_a_prefix_is_answered_as_a_frame_that_did_not_arrive
 
 
 class _AnsweringPeer:
-    """A scripted thing server: after the handshake it reads ``count`` frames, then writes
-    ``answer(seqs)`` (the bytes of its acknowledgements) in one write, and stays open."""
+    """A scripted thing server: after the handshake it reads ``count`` frames, writing
+    ``answer(seqs)`` (the bytes of its acknowledgements for the frames read so far, each
+    answer beginning with the one before) after every hundred of them and at the end,
+    and stays open. A client keeps at most MAX_IN_FLIGHT frames unanswered."""
 
     def __init__(self, count: int, answer) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -354,11 +358,15 @@ class _AnsweringPeer:
         _, length = wire.decode_handshake_prefix(stream.read(wire.HANDSHAKE.size))
         stream.read(length)
         self.peer.sendall(wire.encode_handshake({"server": "scripted", "control": True}))
+        answered = 0
         while len(self.seqs) < self._count:
             prefix = wire.decode_prefix(stream.read(wire.FRAME_PREFIX.size))
             stream.skip(prefix.header_len + prefix.payload_len + wire.FRAME_TRAILER.size)
             self.seqs.append(prefix.seq)
-        self.peer.sendall(self._answer(self.seqs))
+            if len(self.seqs) % 100 == 0 or len(self.seqs) == self._count:
+                answer = self._answer(self.seqs)
+                self.peer.sendall(answer[answered:])
+                answered = len(answer)
 
     def close(self) -> None:
         self._thread.join(20)
@@ -408,6 +416,54 @@ def test_a_burst_of_acks_with_refusals_and_control_messages_among_them(monkeypat
     finally:
         client.close()
         peer.close()
+
+
+def test_a_client_keeps_at_most_max_in_flight_frames_unanswered(monkeypatch) -> None:
+    # The sender reads answers between its sends: the server's unread answers must never
+    # fill its socket buffer while a long send of ours waits for it to read. A peer that
+    # reads without answering gets MAX_IN_FLIGHT frames, then none until it answers.
+    monkeypatch.setenv("THING_TRANSPORT", "tcp")
+    count = MAX_IN_FLIGHT + 50
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen: dict[str, object] = {}
+
+    def serve() -> None:
+        peer, _ = listener.accept()
+        with peer:
+            set_timeouts(peer, 20, 20)
+            stream = StreamReader(peer)
+            _, length = wire.decode_handshake_prefix(stream.read(wire.HANDSHAKE.size))
+            stream.read(length)
+            peer.sendall(wire.encode_handshake({"server": "scripted"}))
+            seqs: list[int] = []
+
+            def read_frames(until: int) -> None:
+                while len(seqs) < until:
+                    prefix = wire.decode_prefix(stream.read(wire.FRAME_PREFIX.size))
+                    stream.skip(prefix.header_len + prefix.payload_len + wire.FRAME_TRAILER.size)
+                    seqs.append(prefix.seq)
+
+            read_frames(MAX_IN_FLIGHT)
+            seen["more before an answer"] = bool(
+                stream.buffered or select.select([peer], [], [], 0.5)[0])
+            peer.sendall(b"".join(wire.encode_ack(seq, 1000 + seq) for seq in seqs))
+            read_frames(count)
+            peer.sendall(b"".join(wire.encode_ack(seq, 1000 + seq)
+                                  for seq in seqs[MAX_IN_FLIGHT:]))
+            peer.recv(1)  # until the client leaves
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = thing.Client("127.0.0.1", listener.getsockname()[1])
+    try:
+        handles = [client.catch(np.full(4, i, np.float32), name="capped") for i in range(count)]
+        assert client.flush(20)
+        assert [handle.id for handle in handles] == [1000 + seq for seq in range(count)]
+        assert seen == {"more before an answer": False}
+    finally:
+        client.close()
+        thread.join(20)
+        listener.close()
 
 
 def test_a_stored_ack_out_of_order_in_a_burst_breaks_the_connection(monkeypatch) -> None:

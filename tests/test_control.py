@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import thing
 from thing import auth, live, reports, wire
-from thing.channel import read_server_message
+from thing.answers import read_server_message
 from thing.errors import ProtocolError
 from thing.overrides import Overrides
 from thing.stream import StreamReader

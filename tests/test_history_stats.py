@@ -175,3 +175,32 @@ def test_one_value_is_described_as_the_chunked_loop_describes_it(value) -> None:
     assert [type(field) for field in vars(one).values()] == [
         type(field) for field in vars(chunked).values()]
     assert stats.array_stats(np.array([1e200, 1e200])).std == 0.0
+
+
+
+@pytest.mark.parametrize("value", [
+    np.array([1.5, -2.25, 3.0, 1e-3], np.float32), np.array([-0.0, 0.0]),
+    np.array([np.nan, 1.0, np.inf, -np.inf, 2.0]), np.array([np.nan, np.inf], np.float16),
+    np.array([2**62 + 1, -5, 7], np.int64), np.array([2**64 - 1, 0], np.uint64),
+    np.array([1e200, 1e200, -1e200]), np.array([1e308, 1e308]), np.array([True, False, True]),
+    np.array([3 + 4j, 0j, -1j], np.complex64), np.arange(32, dtype=np.int8).reshape(4, 8),
+    np.random.default_rng(0).normal(size=31)])
+def test_a_few_values_are_described_as_the_chunked_loop_describes_them(value) -> None:
+    """Up to FEW_VALUES elements skip numpy's reductions; what they get is what the general
+    loop gives, to rounding: counts, extremes (integers exact) and the same types."""
+    from thing import array_stats as stats
+
+    flat = stats._flat_numpy_source(value)
+    to_float = stats._float_converter(flat, None)
+    args = (flat, to_float, stats._is_complex(flat), stats._is_integer(flat))
+    assert 1 < value.size <= stats.FEW_VALUES
+    with np.errstate(all="ignore"):
+        few, chunked = stats._few_values_stats(*args), stats._chunked_stats(*args)
+        assert stats.array_stats(value) == few
+    for field in ("count", "finite", "nan", "inf", "min", "max", "magnitude"):
+        ours, loops = getattr(few, field), getattr(chunked, field)
+        assert ours == loops and type(ours) is type(loops), field  # -0.0 == 0.0 here
+    for field in ("mean", "std", "norm"):
+        ours, loops = getattr(few, field), getattr(chunked, field)
+        assert type(ours) is type(loops), field
+        assert ours == loops or math.isclose(ours, loops, rel_tol=1e-12, abs_tol=1e-300), field

@@ -19,6 +19,8 @@ from .arrays import LeafSpec, is_array
 
 # Elements converted to float64 at a time.
 STATS_CHUNK = 1 << 20
+# Up to this many elements, statistics are worked out in plain Python (see _few_values_stats).
+FEW_VALUES = 32
 
 
 @dataclass(frozen=True)
@@ -59,12 +61,16 @@ def array_stats(value: Any, spec: LeafSpec | None = None) -> ArrayStats | None:
     # Integers (not the raw bits of a bfloat16/float8 kept as uint) keep exact min and max.
     exact_int = _is_integer(flat) and not (
         spec is not None and (spec.dtype == "bfloat16" or spec.dtype.startswith("float8")))
+    size = _size(flat)
+    describe = (_one_value_stats if size == 1 else _few_values_stats if size <= FEW_VALUES
+                else _chunked_stats)
+    if describe is not _chunked_stats and not magnitude:
+        # A cast that cannot warn, then plain Python: np.errstate costs more than that.
+        return describe(flat, to_float, magnitude, exact_int)
     # Values near the float64 limits overflow a square: the result says inf, not a warning
     # printed from whichever thread (the REPL's, the background worker's) asked.
     with np.errstate(all="ignore"):
-        if _size(flat) == 1:
-            return _one_value_stats(flat, to_float, magnitude, exact_int)
-        return _chunked_stats(flat, to_float, magnitude, exact_int)
+        return describe(flat, to_float, magnitude, exact_int)
 
 
 def _chunked_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool) -> ArrayStats:
@@ -125,6 +131,30 @@ def _one_value_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool
     # 0.0 + value: the loop's running mean starts at 0.0, which makes a -0.0 mean +0.0.
     return ArrayStats(1, 1, 0, 0, extreme, extreme, 0.0 + value, 0.0, math.sqrt(value * value),
                       magnitude)
+
+
+def _few_values_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool
+                      ) -> ArrayStats:
+    """What :func:`_chunked_stats` makes of a few values, to rounding, in plain Python:
+    on a small vector (a per-layer norm, a handful of metrics) numpy's reductions cost
+    several times their arithmetic, and the background worker describes every capture."""
+    raw = _chunk(flat, 0, FEW_VALUES)
+    values = to_float(raw).tolist()
+    finite = [value for value in values if -math.inf < value < math.inf]
+    count, nan = len(values), sum(value != value for value in values)
+    if not finite:
+        return ArrayStats(count, 0, nan, count - nan, None, None, None, None, None, magnitude)
+    if exact_int:  # the integers themselves, as the loop compares them
+        integers = raw.tolist()
+        low, high = int(min(integers)), int(max(integers))
+    else:
+        low, high = min(finite), max(finite)
+    n = len(finite)
+    mean = sum(finite) / n
+    spread = sum((value - mean) * (value - mean) for value in finite)
+    squares = sum(value * value for value in finite)  # overflows to inf, as numpy's does
+    return ArrayStats(count, n, nan, count - n - nan, low, high, mean, math.sqrt(spread / n),
+                      math.sqrt(squares), magnitude)
 
 
 def value_histogram(value: Any, spec: LeafSpec | None, bins: int, low: float, high: float

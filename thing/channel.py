@@ -1,10 +1,18 @@
-"""The connection to one server: its send queue, sender thread and acknowledgement reader.
+"""The connection to one server: its send queue and the one thread that sends and reads.
 
 A :class:`Channel` chooses the path (Unix socket, shared memory or TCP),
 performs the handshake, sends each queued capture as one frame straight from
 its arrays' memory, and resolves each capture's handle from the server's
 acknowledgements. Whatever happens (a refusal, a lost connection, a bug, the
 client closing), every handle it accepted is resolved exactly once.
+
+One thread does both, waiting in ``poll`` for captures to send (a caller
+wakes it through a socket pair) and for the server's messages. Between ticks
+of small captures it does not listen for their acknowledgements: it reads
+them at the next tick, so a training loop's capture costs one wake-up of this
+process a tick, not two. It listens at once whenever someone waits for an
+outcome or for room, when it is idle (control messages, the server leaving),
+and when ``MAX_IN_FLIGHT`` frames await answers.
 
 The server answers every frame exactly once, in frame order, so the oldest
 frame in flight is always the one an acknowledgement is for; the reader
@@ -16,15 +24,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
 import sys
 import threading
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
 from . import auth, config, shm, wire
 from ._core import send_buffers
+from .answers import Acknowledgement, Answers
 from .arrays import leaf_bytes, torn
 from .errors import HandshakeError, ProtocolError
 from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle
@@ -39,7 +50,6 @@ from .sockets import (
     shutdown,
     unix_socket_path,
 )
-from .stream import StreamReader
 
 log = logging.getLogger("thing")
 
@@ -55,8 +65,11 @@ BATCH = 64
 HOLD_FIRST_BYTES = 4 << 10
 # Small frames sent in one vectored write at most: bounds what one sendmsg holds.
 COALESCE = 64
-# Acknowledgements settled together at most (one lock, one wake-up of a blocked catch).
-SETTLE_BATCH = 256
+# Frames sent and not yet answered, at most. The sender reads answers only between sends:
+# the server's unread answers (each write of them takes about a kilobyte of its socket's
+# buffer, however small) must never fill that buffer while a long send of ours waits for
+# the server to read, which it would not do while it waits to answer.
+MAX_IN_FLIGHT = 128
 # Headers of single arrays kept per connection, by name, layout, call site and rank: a
 # name caught every step is encoded once (see Channel._header).
 MAX_KEPT_HEADERS = 1024
@@ -127,6 +140,9 @@ class SendQueue:
         self.bytes = 0
         self.undelivered: Counter[str] = Counter()
         self.stored = 0  # captures the server acknowledged as stored
+        # Each channel's way to have its acknowledgements read as they come: room comes
+        # back only with them (see take).
+        self.wanted: list[Callable[[], None]] = []
         self._last_drop_log = 0.0
 
     def take(self, nbytes: int, block: bool) -> bool:
@@ -142,6 +158,8 @@ class SendQueue:
                         self.items, self.bytes, self.undelivered["queue full"],
                     )
                 return False
+            for want_acknowledgements in self.wanted:
+                want_acknowledgements()
             self.lock.wait(1.0)
         self.items += 1
         self.bytes += nbytes
@@ -167,13 +185,19 @@ class Channel:
         self._lock = queue.lock
         self._mutex = queue.mutex
         self._queue: deque[Pending] = deque()
-        # The sender waits on its own condition (on the client's mutex): acknowledgements
-        # giving back room wake callers waiting for it, not the sender.
-        self._wake = threading.Condition(self._mutex)
+        # The sender waits in poll (see _wait_for_captures): a byte on this socket pair
+        # wakes it, written only while it sleeps (``_asleep``) and only under the lock,
+        # so never after the pair is closed.
+        self._wake_write, self._wake_read = socket.socketpair()
+        self._wake_write.setblocking(False)
+        self._wake_read.setblocking(False)
+        self._asleep = False
         # Whether the sender waits for a capture with no tick to wake it (so a capture must),
-        # and whether what is queued must go at once (see _wait_for_captures).
+        # whether what is queued must go at once, and whether acknowledgements must be read
+        # as they come, not at the next tick: someone waits for an outcome, or for room.
         self._idle = False
         self._send_now = False
+        self._acks_wanted = False
         self._queued_bytes = 0  # of the captures in _queue
         # Sent and awaiting the server's ack, in the order they were sent. An OrderedDict
         # finds its first key at once; a plain dict walks past every key popped before it
@@ -188,7 +212,6 @@ class Channel:
         self._on_demand: dict[str | None, Pending] = {}
         self._headers: dict[tuple[Any, ...], bytes] = {}  # see _header
         self._hurry = self.hurry  # every handle's, bound once (not one more object a catch)
-        self._lost = False  # the reader saw the connection end; the sender must reconnect
         self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
         self._closed = False
         self._warned: set[str] = set()
@@ -199,6 +222,7 @@ class Channel:
         # Asked here, on the thread that opens the channel, not on the sender thread: see
         # sockets.own_names (a fork while the sender is inside the resolver).
         self._this_host = is_this_host(address[0])
+        queue.wanted.append(self._want_acks)  # the client opens channels holding the lock
         self._thread = threading.Thread(
             target=self._run, name=f"thing-send-{address[0]}:{address[1]}", daemon=True
         )
@@ -318,36 +342,54 @@ class Channel:
             self._send_now = wake = True
         if wake:
             self._idle = False
-            self._wake.notify_all()
+            self._signal()
         return pending.handle
 
     def hurry(self) -> None:
-        """Send what is queued now, without waiting for the tick (someone waits for it).
+        """Send what is queued now, without waiting for the tick, and read the answers as
+        they come (someone waits for them).
 
         Never waits for the lock: a handle may be waited on in a signal handler that
-        interrupted a catch holding it; the sender then sees the flag at its tick.
+        interrupted a catch holding it; the sender then sees the flags at its tick.
         """
         if not self._mutex.acquire(blocking=False):
-            self._send_now = True
+            self._send_now = self._acks_wanted = True
             return
         try:
             if self._queue:
                 self._send_now = True
-                self._wake.notify_all()
+            self._want_acks()
         finally:
             self._mutex.release()
+
+    def _want_acks(self) -> None:
+        """Have the sender read acknowledgements as they come, until none is awaited (the
+        caller holds the lock)."""
+        if self._inflight or self._queue:
+            self._acks_wanted = True
+            self._signal()
+
+    def _signal(self) -> None:
+        """Wake the sender if it sleeps (the caller holds the lock)."""
+        if self._asleep:
+            self._asleep = False
+            with contextlib.suppress(OSError):  # a byte is waiting already
+                self._wake_write.send(b"\0")
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop: queued captures are told the client closed, in-flight ones too unless acked."""
         with self._mutex:
             self._closed = True
             dropped = self._take_queue("closed")
-            self._wake.notify_all()
+            if self._want_acks in self._room.wanted:
+                self._room.wanted.remove(self._want_acks)
+            self._signal()
         for pending in dropped:
             pending.handle.resolve(None, "not sent: the client was closed first")
         sock = self._sock
-        if sock is not None:
-            shutdown(sock)
+        if sock is not None:  # a send under way ends; the answers that came are still read
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._fail_inflight("closed", _CLOSED_IN_FLIGHT)
@@ -356,52 +398,71 @@ class Channel:
 
     def _run(self) -> None:
         delay = 0.05
-        while not self._closed:
-            try:
-                sock, mac = self._connect()
-            except Exception as exc:  # the sender thread must outlive any failure to connect
-                if not isinstance(exc, (OSError, ProtocolError)):
-                    self._log_once("connect", logging.ERROR,
-                                   "unexpected error connecting to %s:%d", *self.address,
-                                   exc_info=True)
-                self._set_down(exc)
-                self.overrides.expire()
-                with self._mutex:
-                    if not self._closed:
-                        self._wake.wait(delay)
-                delay = min(delay * 2, config.reconnect_interval())
-                continue
-            delay = 0.05
-            self._serve(sock, mac)
+        try:
+            while not self._closed:
+                try:
+                    sock, mac = self._connect()
+                except Exception as exc:  # the sender thread must outlive any failure
+                    if not isinstance(exc, (OSError, ProtocolError)):
+                        self._log_once("connect", logging.ERROR,
+                                       "unexpected error connecting to %s:%d", *self.address,
+                                       exc_info=True)
+                    self._set_down(exc)
+                    self.overrides.expire()
+                    self._sleep(delay)
+                    delay = min(delay * 2, config.reconnect_interval())
+                    continue
+                delay = 0.05
+                self._serve(sock, mac)
+        finally:
+            with self._mutex:  # no one signals a closed pair (see _signal)
+                self._asleep = False
+                self._wake_write.close()
+                self._wake_read.close()
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` before trying again, or until the channel closes."""
+        with self._mutex:
+            if self._closed:
+                return
+            self._asleep = True
+        select.select([self._wake_read], [], [], seconds)
+        with self._mutex:
+            self._asleep = False
+        self._drain_wake()
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(OSError):  # nothing was written
+            self._wake_read.recv(4096)
 
     def _serve(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
-        """Send on one connection until it ends or the channel closes; then settle the in-flight."""
+        """Send and read on one connection until it ends or the channel closes; then settle
+        the in-flight."""
         with self._mutex:
-            self._sock, self.down, self._lost = sock, False, False
+            self._sock, self.down = sock, False
         self.overrides.connected(id(self))
         self._announce_again()
-        reader = threading.Thread(
-            target=self._read_acks, args=(sock, mac), daemon=True,
-            name=f"thing-acks-{self.address[0]}:{self.address[1]}",
-        )
-        reader.start()
+        answers = Answers(sock, mac, self._settle, self.overrides.apply, self._ignored)
         try:
-            self._send_loop(sock, mac)
-        except (OSError, ProtocolError) as exc:
+            self._send_loop(sock, mac, answers)
+        except ProtocolError as exc:  # the server broke its promise: reconnect
+            log.warning("thing server at %s:%d: %s", *self.address, exc)
+        except OSError as exc:
             if not self._closed:
                 log.warning("lost the thing server at %s:%d: %s", *self.address, exc)
         except Exception:  # a bug must not end the thread: reconnect and keep serving
             self._log_once("send", logging.ERROR, "unexpected error sending to %s:%d; "
                            "reconnecting", *self.address, exc_info=True)
         finally:
-            if not self._closed:
+            if self._closed:  # what has come is read; what has not will not be waited for
+                answers.read_until_end(0)
+            else:
                 # Stop sending but keep reading: the server answers what it received,
                 # then hangs up, and those answers must not be lost with the socket.
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_WR)
-                reader.join(config.connect_timeout())
+                answers.read_until_end(config.connect_timeout())
             shutdown(sock)
-            reader.join()
             sock.close()
             with self._mutex:
                 self._sock = None
@@ -542,28 +603,38 @@ class Channel:
             else:
                 log.debug("no thing server at %s:%d (%s); will keep trying", *self.address, reason)
 
-    def _send_loop(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
+    def _send_loop(self, sock: socket.socket, mac: auth.SessionMac | None,
+                   answers: Answers) -> None:
+        # One poll for a wake-up or the server's messages, one for a wake-up only.
+        listening, deaf = select.poll(), select.poll()
+        for poller in (listening, deaf):
+            poller.register(self._wake_read, select.POLLIN)
+        listening.register(sock, select.POLLIN)
         next_tick = 0.0
         while True:
+            self._wait_for_captures(answers, listening, deaf, next_tick)
             with self._mutex:
-                self._wait_for_captures(next_tick)
                 if self._closed:
                     return
-                if self._lost:
-                    raise ConnectionResetError("the server closed the connection")
+                queue = self._queue
                 first = self._next_seq
-                self._next_seq += len(self._queue)
-                batch = list(zip(range(first, self._next_seq), self._queue))
+                batch = [(seq, queue.popleft()) for seq in range(
+                    first, first + min(len(queue), MAX_IN_FLIGHT - len(self._inflight)))]
+                self._next_seq += len(batch)
                 self._inflight.update(batch)
-                self._queue.clear()
-                self._send_now, self._queued_bytes = False, 0
+                if queue:
+                    self._queued_bytes -= sum(pending.payload.nbytes for _, pending in batch)
+                else:
+                    self._send_now, self._queued_bytes = False, 0
                 undelivered = tuple(sorted(self._room.undelivered.items()))
                 next_tick = time.monotonic() + TICK_SECONDS  # a tick from this batch, not its end
             self._send_batch(sock, mac, batch, undelivered)
 
-    def _wait_for_captures(self, next_tick: float) -> None:
-        """Wait until the queue is to be sent, or the connection or the channel ends (the
-        caller holds the lock).
+    def _wait_for_captures(self, answers: Answers, listening: select.poll, deaf: select.poll,
+                           next_tick: float) -> None:
+        """Wait until the queue is to be sent and there is room in flight, or the channel
+        closes, reading the server's messages as they come when they are wanted; raises
+        what ends the connection.
 
         Small captures go once a tick, together: after a send, the sender keeps
         its clock for one more tick, and a capture arriving after that quiet
@@ -572,21 +643,38 @@ class Channel:
         thread; a slower one wakes it from its thread once per capture.
         A large capture, a full batch, one the REPL asked for, a caller
         waiting on a handle (:meth:`hurry`) or closing end the wait at once.
+        Within a tick, acknowledgements are left for its end unless someone
+        waits for them.
         """
-        try:
-            while not (self._send_now or self._closed or self._lost):
-                now = time.monotonic()
-                if now < next_tick:
-                    self._wake.wait(next_tick - now)
-                elif self._queue:
-                    return
-                else:  # a quiet tick: sleep until a capture comes, then give it a tick
-                    self._idle = True
-                    self._wake.wait()
-                    if self._queue:
+        wake = self._wake_read.fileno()
+        idle = False
+        events: list[tuple[int, int]] = []
+        while True:
+            if any(fd == wake for fd, _ in events):
+                self._drain_wake()
+            answers.read_arrived()
+            with self._mutex:
+                self._asleep = False
+                if idle:
+                    idle = self._idle = False
+                    if self._queue:  # it came after a quiet tick: give it a tick for company
                         next_tick = time.monotonic() + TICK_SECONDS
-        finally:
-            self._idle = False
+                if self._closed:
+                    return
+                in_flight = len(self._inflight)
+                if not in_flight and not self._queue:  # every outcome wanted is known
+                    self._acks_wanted = False
+                now = time.monotonic()
+                due = self._send_now or (self._queue and now >= next_tick)
+                if due and in_flight < MAX_IN_FLIGHT:
+                    return
+                ticking = not due and now < next_tick
+                # Past the tick with nothing queued: sleep until a capture comes.
+                idle = self._idle = not due and not ticking
+                poller = (deaf if ticking and in_flight and not self._acks_wanted
+                          else listening)
+                self._asleep = True
+            events = poller.poll((next_tick - now) * 1000 if ticking else None)
 
     def _send_batch(self, sock: socket.socket, mac: auth.SessionMac | None,
                     batch: list[tuple[int, Pending]],
@@ -711,60 +799,14 @@ class Channel:
             os.close(fd)
         return True
 
-    # -- acknowledgement reader ----------------------------------------------------
+    # -- the server's messages -----------------------------------------------------
 
-    def _read_acks(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
-        # Acks of frames sent together arrive together: one receive takes them all, the
-        # unsigned "stored" ones are split in one call, and they are settled together.
-        # Control messages among them steer the client.
-        stream = StreamReader(sock)
-        try:
-            while True:
-                acks: list[tuple[int, int, int, bytes]] = []
-                try:
-                    while not acks or (stream.buffered >= wire.ACK.size
-                                       and len(acks) < SETTLE_BATCH):
-                        if mac is None and stream.buffered >= wire.ACK.size:
-                            stored = wire.decode_stored_acks(stream.peek(stream.buffered),
-                                                             SETTLE_BATCH - len(acks))
-                            if stored:
-                                stream.take(len(stored) * wire.ACK.size)
-                                acks += stored
-                                continue
-                        message = self._next_message(stream, mac)
-                        if isinstance(message, wire.ControlMessage):
-                            self.overrides.apply(message)
-                            if not stream.buffered:
-                                break
-                        elif message is not None:
-                            acks.append(message)
-                finally:  # those read whole count, even if the next is cut off or bad
-                    if acks:
-                        self._settle(acks)
-        except Exception as exc:  # the connection ended or broke its promise: reconnect
-            if not isinstance(exc, (OSError, ProtocolError)):
-                self._log_once("acks", logging.ERROR, "unexpected error reading "
-                               "acknowledgements from %s:%d", *self.address, exc_info=True)
-            elif isinstance(exc, ProtocolError):
-                log.warning("thing server at %s:%d: %s", *self.address, exc)
-            shutdown(sock)  # wakes the sender thread if it is blocked in a send
-            with self._mutex:  # or if it is waiting for the next capture
-                self._lost = True
-                self._wake.notify_all()
+    def _ignored(self, exc: wire.BadControl) -> None:
+        self._log_once("control", logging.WARNING,
+                       "thing server at %s:%d: ignored a control message: %s (further "
+                       "ones are ignored without a word)", *self.address, exc)
 
-    def _next_message(self, stream: StreamReader, mac: auth.SessionMac | None
-                      ) -> tuple[int, int, int, bytes] | wire.ControlMessage | None:
-        """The server's next message; None for a control message outside the fixed set,
-        which is ignored (and logged once)."""
-        try:
-            return read_server_message(stream, mac)
-        except wire.BadControl as exc:
-            self._log_once("control", logging.WARNING,
-                           "thing server at %s:%d: ignored a control message: %s (further "
-                           "ones are ignored without a word)", *self.address, exc)
-            return None
-
-    def _settle(self, acks: list[tuple[int, int, int, bytes]]) -> None:
+    def _settle(self, acks: list[Acknowledgement]) -> None:
         """Resolve the handles of acknowledged frames, in order; ProtocolError (after
         resolving those before it) for an ack that is not for the oldest frame in flight."""
         finished: list[Finished] = []
@@ -840,30 +882,6 @@ def _resolve(finished: list[Finished]) -> None:
         pending.handle.resolve(capture_id, error)
         if error is not None:
             log.debug("capture %r not stored: %s", pending.name, error)
-
-
-def read_server_message(stream: StreamReader, mac: auth.SessionMac | None
-                        ) -> tuple[int, int, int, bytes] | wire.ControlMessage:
-    """The server's next message, its signature checked: an acknowledgement ``(status, seq,
-    capture_id, message)`` or a control message. Raises BadControl for a control message
-    outside the fixed set (read whole: the stream stays in step), ProtocolError for
-    anything that breaks the stream or its signatures."""
-    prefix = stream.read(wire.ACK.size)
-    if prefix[:2] == wire.CONTROL_TAG:
-        length = wire.CONTROL.unpack(prefix)[2]
-        if length > wire.MAX_CONTROL_NAME:
-            raise ProtocolError(f"a control message with a name of {length} bytes")
-        raw_name = stream.read(length) if length else b""
-        if mac is not None and not mac.check(stream.read(auth.MAC_BYTES), prefix, raw_name):
-            raise ProtocolError("a control message's signature does not match: it did not "
-                                "come from the server that proved the token")
-        return wire.decode_control(prefix, raw_name)
-    status, length, seq, capture_id = wire.decode_ack(prefix)
-    message = stream.read(length) if length else b""
-    if mac is not None and not mac.check(stream.read(auth.MAC_BYTES), prefix, message):
-        raise ProtocolError("an acknowledgement's signature does not match: it did not come "
-                            "from the server that proved the token")
-    return status, seq, capture_id, message
 
 
 def _read_in_place(payload: wire.Payload) -> bool:

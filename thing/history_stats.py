@@ -1,8 +1,9 @@
 """Statistics over a name's history: a row per capture, worked out once, off the receive path.
 
 A :class:`StatsWorker` computes each capture's statistics (``array_stats.py``) after
-it is stored, on one background thread. Woken by an arrival, it lets others
-gather (``COLLECT_SECONDS``); then it works through what waits in slices of
+it is stored, on one background thread. Woken by an arrival, or by its own timer
+while they keep coming, it lets others gather (``COLLECT_SECONDS``); then it
+works through what waits in slices of
 ``SLICE_SECONDS``, each in a pause between arrivals (none for ``IDLE_GAP``),
 or under steady traffic after ``MAX_IDLE_WAIT`` anyway, resting in
 proportion after each, so that it takes at most ``share`` of a core and
@@ -39,9 +40,10 @@ COLUMNS = ("step", "arrived", "shape", "min", "max", "mean", "std", "norm", "nan
 EXACT_SPECTRAL_ELEMENTS = 1 << 22
 MAX_WAITING = 10_000  # ids the worker may have queued; beyond, they wait for stats()
 IDLE_GAP = 0.02  # seconds without an arrival before the worker starts on what waits
-# Woken by an arrival, the worker lets others come for this long first: at a training
-# loop's pace one wake-up then serves fifty captures, not one (statistics not worked out
-# yet are worked out when asked for, so a plot never waits for this).
+# Woken by an arrival, the worker lets others come for this long first, and under steady
+# traffic it wakes this often by itself: at a training loop's pace one wake-up serves
+# fifty captures, not one (statistics not worked out yet are worked out when asked for,
+# so a plot never waits for this).
 COLLECT_SECONDS = 1.0
 MAX_IDLE_WAIT = 1.0  # under steady traffic it works anyway after this long, within its share
 SLICE_SECONDS = 0.005  # work done between rests: one wake-up per slice, not per capture
@@ -164,23 +166,31 @@ class StatsWorker:
             self._wake.set()
 
     def _run(self) -> None:
-        while not self._closing.is_set():
-            if not self._waiting:
-                # Cleared before looking again: an arrival after the look sets it anew.
+        while True:
+            if not self._waiting and time.monotonic() - self._last_arrival > COLLECT_SECONDS:
+                # Quiet for a while: sleep until an arrival. Cleared before looking again:
+                # an arrival after the look sets it anew.
                 self._wake.clear()
                 if not self._waiting:
                     self._wake.wait()
-                    if self._closing.wait(COLLECT_SECONDS):  # let others come first
-                        return
-                continue
-            if not self._wait_for_a_pause():
+            # Let others come first. Under steady traffic the worker is not woken by
+            # arrivals at all: this timer serves all of a second's captures at once.
+            if self._closing.wait(COLLECT_SECONDS) or not self._work_through():
                 return
+
+    def _work_through(self) -> bool:
+        """Work out what waits, a slice at a time, each in a pause between arrivals, resting
+        after each so that working takes at most ``share`` of the time; False once closing."""
+        while self._waiting:
+            if not self._wait_for_a_pause():
+                return False
             started = time.perf_counter()
             while self._waiting and time.perf_counter() - started < SLICE_SECONDS:
                 self._work_on(self._waiting.popleft())
-            # Rest so that working takes at most `share` of the time.
-            if self._closing.wait((time.perf_counter() - started) * (1 / self.share - 1)):
-                return
+            if self._waiting and self._closing.wait(
+                    (time.perf_counter() - started) * (1 / self.share - 1)):
+                return False
+        return True
 
     def _wait_for_a_pause(self) -> bool:
         """Wait for a pause in arrivals (IDLE_GAP), or MAX_IDLE_WAIT under steady traffic,

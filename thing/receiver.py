@@ -259,12 +259,17 @@ class Connection:
             self._flush_acks_and_close()
 
     def _wait_readable(self) -> bool:
-        """Wait, as long as it takes, for the next frame to begin; False once closing."""
+        """Wait, as long as it takes, for the next frame to begin, and take in what has
+        arrived (so that a run stores a batch's first frame too, not only the rest); False
+        once closing or when the peer closed between frames."""
         if self._stream.buffered:
             return True
         while not self.settings.closing.is_set():
             if self._poller.poll(1000):
-                return True
+                try:
+                    return self._stream.receive_arrived() > 0
+                except ConnectionResetError:  # between frames: as a clean close
+                    return False
         return False
 
     def _frame_buffered(self) -> bool:

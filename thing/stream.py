@@ -26,12 +26,22 @@ from .errors import ProtocolError
 BUFFER_BYTES = 64 << 10
 
 
+class NotArrived(Exception):
+    """A read of a reader that does not wait found its bytes not here yet."""
+
+
 class StreamReader:
-    """Exact reads from a blocking socket, through a read-ahead buffer."""
+    """Exact reads from a blocking socket, through a read-ahead buffer.
+
+    A reader made with ``waits=False`` never receives in :meth:`read`: it raises
+    :class:`NotArrived` instead, and :meth:`rewind` takes it back to where a
+    message began, for a caller that reads only what :meth:`receive_arrived` took in.
+    """
 
     def __init__(self, sock: Any, before_wait: Callable[[], None] | None = None,
-                 capacity: int = BUFFER_BYTES):
+                 capacity: int = BUFFER_BYTES, waits: bool = True):
         self.sock = sock
+        self._waits = waits
         self._buffer = bytearray(capacity)
         self._view = memoryview(self._buffer)
         self._start = 0  # the first unread byte
@@ -56,10 +66,21 @@ class StreamReader:
         if size > len(self._buffer):
             raise ValueError(f"a read of {size} bytes is larger than the buffer")
         if self._end - self._start < size:
+            if not self._waits:
+                raise NotArrived
             self._fill(size)
         start = self._start
         self._start = start + size
         return bytes(self._view[start:start + size])
+
+    @property
+    def position(self) -> int:
+        """Where the next read starts, for :meth:`rewind`."""
+        return self._start
+
+    def rewind(self, position: int) -> None:
+        """Go back to ``position``, taken since the last receive: the bytes are still here."""
+        self._start = position
 
     def take(self, size: int) -> memoryview | None:
         """The next ``size`` bytes, consumed, if they are already here (else None, nothing
@@ -122,28 +143,42 @@ class StreamReader:
         while self._descriptors:
             os.close(self._descriptors.pop())
 
+    def receive_arrived(self) -> int:
+        """Receive what has arrived, after what is buffered, without the wait hook: for a
+        socket known to be readable. The byte count, 0 at the end of the stream."""
+        self._make_room(self.buffered + 1)
+        return self._receive()
+
     def _fill(self, size: int) -> None:
         """Receive until ``size`` bytes are buffered; ConnectionResetError at the stream's end."""
-        if self._start == self._end:  # nothing unread: receive from the start again
-            self._start = self._end = 0
-        elif self._start + size > len(self._buffer):  # make room: unread bytes to the front
-            held = self._end - self._start
-            self._buffer[:held] = self._view[self._start:self._end]
-            self._start, self._end = 0, held
+        self._make_room(size)
         while self._end - self._start < size:
             self._before_wait()
-            try:
-                moved = recv_some(self.sock, self._buffer, self._end, self._descriptors)
-            except OSError as exc:
-                if exc.errno == errno.EMSGSIZE:  # the kernel closed those that did not fit
-                    raise ProtocolError("a peer sent more descriptors than a frame carries") \
-                        from None
-                raise
-            if moved == 0:
+            if self._receive() == 0:
                 raise ConnectionResetError(
                     errno.ECONNRESET, f"peer closed the connection {self._end - self._start} "
                     f"bytes into {size} it owed")
-            self._end += moved
-            if self._descriptors is not None and len(self._descriptors) > MAX_DESCRIPTORS:
-                # An honest peer's descriptors are taken by its next frames: these are not.
-                raise ProtocolError("a peer sent more descriptors than its frames carry")
+
+    def _make_room(self, size: int) -> None:
+        """Make room for ``size`` unread bytes in one piece."""
+        if self._start == self._end:  # nothing unread: receive from the start again
+            self._start = self._end = 0
+        elif self._start + size > len(self._buffer):  # unread bytes to the front
+            held = self._end - self._start
+            self._buffer[:held] = self._view[self._start:self._end]
+            self._start, self._end = 0, held
+
+    def _receive(self) -> int:
+        """One receive (waiting for a byte) into the free end of the buffer; its count."""
+        try:
+            moved = recv_some(self.sock, self._buffer, self._end, self._descriptors)
+        except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:  # the kernel closed those that did not fit
+                raise ProtocolError("a peer sent more descriptors than a frame carries") \
+                    from None
+            raise
+        self._end += moved
+        if self._descriptors is not None and len(self._descriptors) > MAX_DESCRIPTORS:
+            # An honest peer's descriptors are taken by its next frames: these are not.
+            raise ProtocolError("a peer sent more descriptors than its frames carry")
+        return moved
