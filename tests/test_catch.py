@@ -426,6 +426,27 @@ def test_a_small_queue_is_sent_before_it_fills_and_wait_never_blocks_on_the_lock
 
 
 
+def test_answers_are_read_as_they_come_once_the_room_is_short(server: thing.Server) -> None:
+    """Between ticks (here a minute) the sender leaves acknowledgements for the tick; once
+    half the client's room is taken it reads them as they come, so the room the server has
+    answered for comes back at once, not a tick later (and catches are not dropped for it)."""
+    out = run_script(
+        """
+        import time, numpy as np, thing, thing.channel
+        thing.channel.TICK_SECONDS = 60.0
+        client = thing.Client(max_queue_items=100)
+        # The 51st takes over half the room: all are sent at once, and answered.
+        handles = [client.catch(np.float32(i), name="short") for i in range(51)]
+        deadline = time.monotonic() + 30
+        while client._queue.items and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(client._queue.items, sum(handle.id is not None for handle in handles),
+              client.dropped)
+        """,
+        server.port, timeout=50)
+    assert out.split() == ["0", "51", "0"]
+
+
 def test_wait_keeps_its_timeout_while_the_client_lock_is_held(server: thing.Server,
                                                               monkeypatch) -> None:
     """wait(timeout) asks the sender to hurry without waiting for the client's lock: a

@@ -11,6 +11,7 @@ off by the network for the next call, so reading never holds up sending.
 from __future__ import annotations
 
 import errno
+import logging
 import select
 import socket
 import time
@@ -19,6 +20,8 @@ from collections.abc import Callable
 from . import auth, wire
 from .errors import ProtocolError
 from .stream import NotArrived, StreamReader
+
+log = logging.getLogger("thing")
 
 # Acknowledgements settled together at most (one lock, one wake-up of a blocked catch).
 SETTLE_BATCH = 256
@@ -93,8 +96,8 @@ class Answers:
 
     def read_until_end(self, seconds: float) -> None:
         """Read what arrives for up to ``seconds``, until the server hangs up (after
-        ``shutdown(SHUT_WR)``, it answers what it received first); never raises for the
-        connection's end or a broken message."""
+        ``shutdown(SHUT_WR)``, it answers what it received first). Never raises: it runs
+        while a connection is taken down, which must finish whatever happened."""
         deadline = time.monotonic() + seconds
         try:
             while not self.ended:
@@ -104,6 +107,8 @@ class Answers:
                     return
         except (OSError, ProtocolError):
             return
+        except Exception:  # a bug settling or steering: the connection still ends cleanly
+            log.exception("unexpected error reading the server's last answers")
 
     def _next_message(self) -> Acknowledgement | wire.ControlMessage | None:
         """The next message if it arrived whole, else None (and nothing is consumed);

@@ -141,7 +141,8 @@ def _few_values_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool
     raw = _chunk(flat, 0, FEW_VALUES)
     values = to_float(raw).tolist()
     finite = [value for value in values if -math.inf < value < math.inf]
-    count, nan = len(values), sum(value != value for value in values)
+    count = len(values)
+    nan = 0 if len(finite) == count else sum(value != value for value in values)
     if not finite:
         return ArrayStats(count, 0, nan, count - nan, None, None, None, None, None, magnitude)
     if exact_int:  # the integers themselves, as the loop compares them
@@ -151,8 +152,8 @@ def _few_values_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool
         low, high = min(finite), max(finite)
     n = len(finite)
     mean = sum(finite) / n
-    spread = sum((value - mean) * (value - mean) for value in finite)
-    squares = sum(value * value for value in finite)  # overflows to inf, as numpy's does
+    spread = sum([(value - mean) * (value - mean) for value in finite])
+    squares = sum([value * value for value in finite])  # overflows to inf, as numpy's does
     return ArrayStats(count, n, nan, count - n - nan, low, high, mean, math.sqrt(spread / n),
                       math.sqrt(squares), magnitude)
 

@@ -11,8 +11,10 @@ wakes it through a socket pair) and for the server's messages. Between ticks
 of small captures it does not listen for their acknowledgements: it reads
 them at the next tick, so a training loop's capture costs one wake-up of this
 process a tick, not two. It listens at once whenever someone waits for an
-outcome or for room, when it is idle (control messages, the server leaving),
-and when ``MAX_IN_FLIGHT`` frames await answers.
+outcome, for a while after a catch found the client's room short (room comes
+back only with acknowledgements), when it is idle (control messages, the
+server leaving), when the job catches a name on demand (requests), and, once
+``MAX_IN_FLIGHT`` frames await answers, for them.
 
 The server answers every frame exactly once, in frame order, so the oldest
 frame in flight is always the one an acknowledgement is for; the reader
@@ -29,8 +31,7 @@ import socket
 import sys
 import threading
 import time
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
 from typing import Any, NamedTuple, Optional
 
 from . import auth, config, shm, wire
@@ -41,6 +42,7 @@ from .errors import HandshakeError, ProtocolError
 from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle
 from .names import CallSite
 from .overrides import Overrides
+from .send_queue import SendQueue
 from .sockets import (
     connect,
     connect_unix,
@@ -70,6 +72,9 @@ COALESCE = 64
 # buffer, however small) must never fill that buffer while a long send of ours waits for
 # the server to read, which it would not do while it waits to answer.
 MAX_IN_FLIGHT = 128
+# How long after a catch found the client's room short the sender reads acknowledgements
+# as they come, not at the next tick.
+ROOM_SHORT_SECONDS = 10.0
 # Headers of single arrays kept per connection, by name, layout, call site and rank: a
 # name caught every step is encoded once (see Channel._header).
 MAX_KEPT_HEADERS = 1024
@@ -85,9 +90,6 @@ _CLOSED_IN_FLIGHT = ("unacknowledged: the client was closed before the server an
 
 # Notices of unsent captures a connection sends at most (one per name and reason).
 MAX_TOLD = 1000
-
-# Why captures were not delivered, as the client counts them (see Client.undelivered).
-NOT_DELIVERED_REASONS = ("no server", "queue full", "failed", "lost", "closed")
 
 
 # The sender's counts of captures not delivered, by reason, as a frame's header gives them.
@@ -122,59 +124,8 @@ _new_pending = tuple.__new__
 Finished = tuple[Pending, Optional[int], Optional[str], Optional[str]]  # noqa: UP007 (3.9)
 
 
-class SendQueue:
-    """What a client may hold unsent, across all its channels, and what it failed to deliver.
-
-    ``lock`` is the one condition every channel of the client uses, on ``mutex``:
-    holding the mutex is holding the condition, and costs less to take.
-    ``undelivered`` counts captures that were not delivered, by reason; it
-    travels with every frame so the REPL sees them too.
-    """
-
-    def __init__(self, max_bytes: int, max_items: int):
-        self.mutex = threading.Lock()
-        self.lock = threading.Condition(self.mutex)
-        self.max_bytes = max_bytes
-        self.max_items = max_items
-        self.items = 0
-        self.bytes = 0
-        self.undelivered: Counter[str] = Counter()
-        self.stored = 0  # captures the server acknowledged as stored
-        # Each channel's way to have its acknowledgements read as they come: room comes
-        # back only with them (see take).
-        self.wanted: list[Callable[[], None]] = []
-        self._last_drop_log = 0.0
-
-    def take(self, nbytes: int, block: bool) -> bool:
-        """Take room for one capture (the caller holds ``lock``); False if full and not blocking."""
-        while self.items >= self.max_items or (self.items and self.bytes + nbytes > self.max_bytes):
-            if not block:
-                self.undelivered["queue full"] += 1
-                now = time.monotonic()
-                if now - self._last_drop_log > 5:
-                    self._last_drop_log = now
-                    log.warning(
-                        "send queue full (%d captures, %d bytes): %d captures dropped so far",
-                        self.items, self.bytes, self.undelivered["queue full"],
-                    )
-                return False
-            for want_acknowledgements in self.wanted:
-                want_acknowledgements()
-            self.lock.wait(1.0)
-        self.items += 1
-        self.bytes += nbytes
-        return True
-
-    def give_back(self, nbytes: int, items: int = 1) -> None:
-        """Give back the room of ``items`` captures of ``nbytes`` in all (the caller holds
-        ``lock``)."""
-        self.items -= items
-        self.bytes -= nbytes
-        self.lock.notify_all()
-
-
 class Channel:
-    """The connection to one server: its queue, sender thread and acknowledgement reader."""
+    """The connection to one server: its queue, and the thread that sends and reads."""
 
     def __init__(self, address: tuple[str, int], queue: SendQueue, token: str | None,
                  overrides: Overrides):
@@ -198,6 +149,9 @@ class Channel:
         self._idle = False
         self._send_now = False
         self._acks_wanted = False
+        # Until then, acknowledgements are read as they come: a catch found the room
+        # short, and room comes back only with them (see _room_short).
+        self._room_short_until = 0.0
         self._queued_bytes = 0  # of the captures in _queue
         # Sent and awaiting the server's ack, in the order they were sent. An OrderedDict
         # finds its first key at once; a plain dict walks past every key popped before it
@@ -222,7 +176,7 @@ class Channel:
         # Asked here, on the thread that opens the channel, not on the sender thread: see
         # sockets.own_names (a fork while the sender is inside the resolver).
         self._this_host = is_this_host(address[0])
-        queue.wanted.append(self._want_acks)  # the client opens channels holding the lock
+        queue.short.append(self._room_short)  # the client opens channels holding the lock
         self._thread = threading.Thread(
             target=self._run, name=f"thing-send-{address[0]}:{address[1]}", daemon=True
         )
@@ -334,6 +288,9 @@ class Channel:
         # it costs the training loop more than the capture): it goes with the next batch,
         # unless what waits here is half of what the client may hold (a small
         # THING_QUEUE_ITEMS must not drop what a send would have made room for).
+        room = self._room
+        if 2 * room.items > room.max_items or 2 * room.bytes > room.max_bytes:
+            self._room_short()
         wake = self._idle
         if not self._send_now and (
                 nbytes >= SMALL_BYTES or len(queue) >= BATCH or pending.requested
@@ -369,6 +326,13 @@ class Channel:
             self._acks_wanted = True
             self._signal()
 
+    def _room_short(self) -> None:
+        """The client's room is short: read acknowledgements as they come for a while (the
+        caller holds the lock). Between ticks they would give it back only at the tick."""
+        self._room_short_until = time.monotonic() + ROOM_SHORT_SECONDS
+        if self._inflight:
+            self._signal()
+
     def _signal(self) -> None:
         """Wake the sender if it sleeps (the caller holds the lock)."""
         if self._asleep:
@@ -381,8 +345,8 @@ class Channel:
         with self._mutex:
             self._closed = True
             dropped = self._take_queue("closed")
-            if self._want_acks in self._room.wanted:
-                self._room.wanted.remove(self._want_acks)
+            if self._room_short in self._room.short:
+                self._room.short.remove(self._room_short)
             self._signal()
         for pending in dropped:
             pending.handle.resolve(None, "not sent: the client was closed first")
@@ -426,7 +390,9 @@ class Channel:
             if self._closed:
                 return
             self._asleep = True
-        select.select([self._wake_read], [], [], seconds)
+        woken = select.poll()  # not select(): a descriptor may be numbered past 1023
+        woken.register(self._wake_read, select.POLLIN)
+        woken.poll(seconds * 1000)
         with self._mutex:
             self._asleep = False
         self._drain_wake()
@@ -671,7 +637,10 @@ class Channel:
                 ticking = not due and now < next_tick
                 # Past the tick with nothing queued: sleep until a capture comes.
                 idle = self._idle = not due and not ticking
+                # A job that catches on demand listens at all times: a request's answer is
+                # due within a step or two, not a tick.
                 poller = (deaf if ticking and in_flight and not self._acks_wanted
+                          and not self._on_demand and now >= self._room_short_until
                           else listening)
                 self._asleep = True
             events = poller.poll((next_tick - now) * 1000 if ticking else None)

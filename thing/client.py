@@ -173,7 +173,8 @@ class Client:
         # The sending machinery (sockets, the wire format, authentication) loads with the
         # first client, not with `import thing`, and on this thread, before any thread of
         # thing's runs: a child forked later never inherits an import half done.
-        from .channel import SendQueue
+        from . import channel  # noqa: F401 (loaded now, on this thread: see above)
+        from .send_queue import SendQueue
 
         self._queue = SendQueue(self.max_queue_bytes, self.max_queue_items)
         self._lock = self._queue.lock

@@ -171,7 +171,7 @@ class StatsWorker:
                 # Quiet for a while: sleep until an arrival. Cleared before looking again:
                 # an arrival after the look sets it anew.
                 self._wake.clear()
-                if not self._waiting:
+                if not self._waiting and not self._closing.is_set():
                     self._wake.wait()
             # Let others come first. Under steady traffic the worker is not woken by
             # arrivals at all: this timer serves all of a second's captures at once.

@@ -2,7 +2,7 @@
 
 The REPL steers a running job with control messages (``wire.CONTROL``): data
 from a fixed set of operations, for a name or every name, for a rank or
-every rank. A connection's reader thread decodes them and applies them here;
+every rank. A connection's sender thread decodes them and applies them here;
 ``catch()`` on the training thread reads the result without a lock, and only
 while something is set (:attr:`Overrides.active`): otherwise a call costs
 the one attribute read.
@@ -231,7 +231,7 @@ class Overrides:
             self._refresh()
             return True
 
-    # -- connection reader threads ----------------------------------------------------
+    # -- connection threads -----------------------------------------------------------
 
     def apply(self, message: wire.ControlMessage) -> None:
         """Apply one decoded control message (if control is on and it is for this rank)."""
@@ -290,7 +290,7 @@ class Overrides:
         """In a forked child: the parent's connections and requests are the parent's; the
         settings stay (the child's own connection replays the server's), for ``ttl`` at most
         if it never connects."""
-        self._write = threading.Lock()  # a reader thread of the parent may have held it
+        self._write = threading.Lock()  # a sender thread of the parent may have held it
         self._connections = set()
         self._requests = {}
         self._expires_at = time.monotonic() + self.ttl if self._settings else None

@@ -1,0 +1,65 @@
+"""What a client may hold unsent, across all its channels, and what it failed to deliver."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+log = logging.getLogger("thing")
+
+# Why captures were not delivered, as the client counts them (see Client.undelivered).
+NOT_DELIVERED_REASONS = ("no server", "queue full", "failed", "lost", "closed")
+
+
+class SendQueue:
+    """The room a client's captures take until they are answered, shared by its channels.
+
+    ``lock`` is the one condition every channel of the client uses, on ``mutex``:
+    holding the mutex is holding the condition, and costs less to take.
+    ``undelivered`` counts captures that were not delivered, by reason; it
+    travels with every frame so the REPL sees them too.
+    """
+
+    def __init__(self, max_bytes: int, max_items: int):
+        self.mutex = threading.Lock()
+        self.lock = threading.Condition(self.mutex)
+        self.max_bytes = max_bytes
+        self.max_items = max_items
+        self.items = 0
+        self.bytes = 0
+        self.undelivered: Counter[str] = Counter()
+        self.stored = 0  # captures the server acknowledged as stored
+        # Each channel's way to be told the room ran short: room comes back only with
+        # acknowledgements, which its sender then reads as they come (see take).
+        self.short: list[Callable[[], None]] = []
+        self._last_drop_log = 0.0
+
+    def take(self, nbytes: int, block: bool) -> bool:
+        """Take room for one capture (the caller holds ``lock``); False if full and not blocking."""
+        while self.items >= self.max_items or (self.items and self.bytes + nbytes > self.max_bytes):
+            for tell in self.short:
+                tell()
+            if not block:
+                self.undelivered["queue full"] += 1
+                now = time.monotonic()
+                if now - self._last_drop_log > 5:
+                    self._last_drop_log = now
+                    log.warning(
+                        "send queue full (%d captures, %d bytes): %d captures dropped so far",
+                        self.items, self.bytes, self.undelivered["queue full"],
+                    )
+                return False
+            self.lock.wait(1.0)
+        self.items += 1
+        self.bytes += nbytes
+        return True
+
+    def give_back(self, nbytes: int, items: int = 1) -> None:
+        """Give back the room of ``items`` captures of ``nbytes`` in all (the caller holds
+        ``lock``)."""
+        self.items -= items
+        self.bytes -= nbytes
+        self.lock.notify_all()
