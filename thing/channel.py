@@ -761,7 +761,8 @@ class Channel:
             # Copied into the memfd by now: whether the data moved on during the copy.
             message = prefix + header + _trailer(mac, prefix, header,
                                                  any(map(torn, payload.leaves)))
-            sent = socket.send_fds(sock, [message], [fd])
+            # Not a SIGPIPE if the server is gone (the core's sends say so too).
+            sent = socket.send_fds(sock, [message], [fd], getattr(socket, "MSG_NOSIGNAL", 0))
             if sent < len(message):  # only a signal or a timeout splits a message this small
                 send_buffers(sock, [memoryview(message)[sent:]])
         finally:
