@@ -284,13 +284,13 @@ class Channel:
         queue = self._queue
         queue.append(pending)
         self._queued_bytes += nbytes
+        room = self._room
+        if 2 * room.items > room.max_items or 2 * room.bytes > room.max_bytes:
+            self._room_short()  # half of it is taken: its answers must not wait for a tick
         # A small capture wakes nobody while the sender keeps its tick or is busy (waking
         # it costs the training loop more than the capture): it goes with the next batch,
         # unless what waits here is half of what the client may hold (a small
         # THING_QUEUE_ITEMS must not drop what a send would have made room for).
-        room = self._room
-        if 2 * room.items > room.max_items or 2 * room.bytes > room.max_bytes:
-            self._room_short()
         wake = self._idle
         if not self._send_now and (
                 nbytes >= SMALL_BYTES or len(queue) >= BATCH or pending.requested
@@ -315,16 +315,11 @@ class Channel:
         try:
             if self._queue:
                 self._send_now = True
-            self._want_acks()
+            if self._queue or self._inflight:  # until every outcome awaited is known
+                self._acks_wanted = True
+                self._signal()
         finally:
             self._mutex.release()
-
-    def _want_acks(self) -> None:
-        """Have the sender read acknowledgements as they come, until none is awaited (the
-        caller holds the lock)."""
-        if self._inflight or self._queue:
-            self._acks_wanted = True
-            self._signal()
 
     def _room_short(self) -> None:
         """The client's room is short: read acknowledgements as they come for a while (the
