@@ -72,6 +72,8 @@ COALESCE = 64
 # buffer, however small) must never fill that buffer while a long send of ours waits for
 # the server to read, which it would not do while it waits to answer.
 MAX_IN_FLIGHT = 128
+# How long hurry() waits for the lock before it leaves flags for the next tick instead.
+HURRY_LOCK_SECONDS = 0.001
 # How long after a catch found the client's room short the sender reads acknowledgements
 # as they come, not at the next tick.
 ROOM_SHORT_SECONDS = 10.0
@@ -306,10 +308,12 @@ class Channel:
         """Send what is queued now, without waiting for the tick, and read the answers as
         they come (someone waits for them).
 
-        Never waits for the lock: a handle may be waited on in a signal handler that
-        interrupted a catch holding it; the sender then sees the flags at its tick.
+        Waits a millisecond at most for the lock, which a thread catching or the sender
+        settling answers holds for microseconds: a handle may be waited on in a signal
+        handler that interrupted a catch holding it, and the sender then sees the flags
+        at its tick.
         """
-        if not self._mutex.acquire(blocking=False):
+        if not self._mutex.acquire(timeout=HURRY_LOCK_SECONDS):
             self._send_now = self._acks_wanted = True
             return
         try:
