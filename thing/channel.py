@@ -145,9 +145,12 @@ class Channel:
         self._wake_write.setblocking(False)
         self._wake_read.setblocking(False)
         self._asleep = False
+        # A poll for a wake-up alone (not select(): a descriptor may be numbered past 1023).
+        self._wake_only = select.poll()
+        self._wake_only.register(self._wake_read, select.POLLIN)
         # Whether the sender waits for a capture with no tick to wake it (so a capture must),
         # whether what is queued must go at once, and whether acknowledgements must be read
-        # as they come, not at the next tick: someone waits for an outcome, or for room.
+        # as they come, not at the next tick: someone waits for an outcome.
         self._idle = False
         self._send_now = False
         self._acks_wanted = False
@@ -296,8 +299,8 @@ class Channel:
         wake = self._idle
         if not self._send_now and (
                 nbytes >= SMALL_BYTES or len(queue) >= BATCH or pending.requested
-                or 2 * len(queue) > self._room.max_items
-                or 2 * self._queued_bytes > self._room.max_bytes):
+                or 2 * len(queue) > room.max_items
+                or 2 * self._queued_bytes > room.max_bytes):
             self._send_now = wake = True
         if wake:
             self._idle = False
@@ -389,9 +392,7 @@ class Channel:
             if self._closed:
                 return
             self._asleep = True
-        woken = select.poll()  # not select(): a descriptor may be numbered past 1023
-        woken.register(self._wake_read, select.POLLIN)
-        woken.poll(seconds * 1000)
+        self._wake_only.poll(seconds * 1000)
         with self._mutex:
             self._asleep = False
         self._drain_wake()
@@ -570,14 +571,12 @@ class Channel:
 
     def _send_loop(self, sock: socket.socket, mac: auth.SessionMac | None,
                    answers: Answers) -> None:
-        # One poll for a wake-up or the server's messages, one for a wake-up only.
-        listening, deaf = select.poll(), select.poll()
-        for poller in (listening, deaf):
-            poller.register(self._wake_read, select.POLLIN)
+        listening = select.poll()  # for a wake-up or the server's messages
+        listening.register(self._wake_read, select.POLLIN)
         listening.register(sock, select.POLLIN)
         next_tick = 0.0
         while True:
-            self._wait_for_captures(answers, listening, deaf, next_tick)
+            self._wait_for_captures(answers, listening, next_tick)
             with self._mutex:
                 if self._closed:
                     return
@@ -595,7 +594,7 @@ class Channel:
                 next_tick = time.monotonic() + TICK_SECONDS  # a tick from this batch, not its end
             self._send_batch(sock, mac, batch, undelivered)
 
-    def _wait_for_captures(self, answers: Answers, listening: select.poll, deaf: select.poll,
+    def _wait_for_captures(self, answers: Answers, listening: select.poll,
                            next_tick: float) -> None:
         """Wait until the queue is to be sent and there is room in flight, or the channel
         closes, reading the server's messages as they come when they are wanted; raises
@@ -638,7 +637,7 @@ class Channel:
                 idle = self._idle = not due and not ticking
                 # A job that catches on demand listens at all times: a request's answer is
                 # due within a step or two, not a tick.
-                poller = (deaf if ticking and in_flight and not self._acks_wanted
+                poller = (self._wake_only if ticking and in_flight and not self._acks_wanted
                           and not self._on_demand and now >= self._room_short_until
                           else listening)
                 self._asleep = True
