@@ -22,7 +22,7 @@ from thing.sockets import connect, set_timeouts
 from thing.stream import StreamReader
 
 from .conftest import expect_line, poll, run_script, start_script
-from .test_catch import _StalledServer
+from .test_catch import STUCK, _StalledServer
 from .test_security import frame_bytes
 
 
@@ -229,8 +229,7 @@ def test_close_resolves_every_queued_and_in_flight_handle(monkeypatch) -> None:
     stalled = _StalledServer()
     client = thing.Client("127.0.0.1", stalled.port, max_queue_items=50)
     try:
-        big = np.ones(8 << 20, dtype=np.uint8)
-        handles = [client.catch(big, name="big")]
+        handles = [client.catch(STUCK, name="big")]
         poll(client.connected, what="the connection")
         handles += [client.catch(np.full(10, i), name="small") for i in range(49)]
         assert not any(h.done for h in handles[:2])
@@ -454,9 +453,12 @@ def test_a_client_keeps_at_most_max_in_flight_frames_unanswered(monkeypatch) -> 
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    client = thing.Client("127.0.0.1", listener.getsockname()[1])
+    # Room in the queue comes back once a frame is sent, not once it is answered: a queue of
+    # ten still fills the wire up to MAX_IN_FLIGHT, and then waits (block=True) for answers.
+    client = thing.Client("127.0.0.1", listener.getsockname()[1], max_queue_items=10)
     try:
-        handles = [client.catch(np.full(4, i, np.float32), name="capped") for i in range(count)]
+        handles = [client.catch(np.full(4, i, np.float32), name="capped", block=True)
+                   for i in range(count)]
         assert client.flush(20)
         assert [handle.id for handle in handles] == [1000 + seq for seq in range(count)]
         assert seen == {"more before an answer": False}

@@ -105,10 +105,16 @@ def test_server_gone_returns_false_at_once() -> None:
 
 
 class _StalledServer:
-    """A real thing peer that completes the handshake and then never reads."""
+    """A real thing peer that completes the handshake and then never reads.
+
+    Its receive buffer is small, so a send of a few MiB to it never completes, however the
+    machine tunes TCP: a capture's room in the client's queue is given back once its bytes
+    are sent, and such a capture holds it for good.
+    """
 
     def __init__(self) -> None:
         self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # inherited
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen()
         self.port = self.listener.getsockname()[1]
@@ -132,20 +138,24 @@ class _StalledServer:
             sock.close()
 
 
+# Larger than what a stalled server's small receive buffer and our send buffer hold between
+# them, the latter at its largest (net.ipv4.tcp_wmem: 4 MiB by default, 16-32 on tuned hosts).
+STUCK = np.ones(64 << 20, dtype=np.uint8)
+
+
 def test_full_queue_drops_without_blocking(monkeypatch) -> None:
     monkeypatch.setenv("THING_TRANSPORT", "tcp")  # the stalled server has no Unix socket
     stalled = _StalledServer()
     client = thing.Client("127.0.0.1", stalled.port, max_queue_items=4, max_queue_bytes=1 << 30)
     try:
-        big = np.ones(8 << 20, dtype=np.uint8)
-        first = client.catch(big, name="big")
+        first = client.catch(STUCK, name="big")
         deadline = time.monotonic() + 10
         while not client.connected() and time.monotonic() < deadline:
             time.sleep(0.01)
         handles = []
         start = time.perf_counter()
         for _ in range(200):
-            handles.append(client.catch(big, name="big"))
+            handles.append(client.catch(STUCK, name="big"))
         elapsed = time.perf_counter() - start
         assert elapsed < 1.0, f"catch blocked: {elapsed:.3f} s for 200 calls"
         dropped = [h for h in handles if h.done and h.error and "full" in h.error]
@@ -168,12 +178,12 @@ def test_a_full_queue_copies_nothing_but_a_capture_of_a_few_kib(monkeypatch) -> 
     monkeypatch.setattr(thing.arrays, "_snapshot_array",
                         lambda array: copies.append(array.nbytes) or snapshot(array))
     try:
-        first = client.catch(np.zeros(4), name="first")  # holds the one place, never acked
-        assert copies == [32]
+        first = client.catch(STUCK, name="first")  # read in place; its send never ends
+        assert copies == []
         assert client.catch(np.zeros(4096), name="dropped").error == QUEUE_FULL.error
-        assert copies == [32]  # 32 KiB, dropped before any copy
+        assert copies == []  # 32 KiB, dropped before any copy
         assert client.catch(np.zeros(16), name="small").error == QUEUE_FULL.error
-        assert copies == [32, 128]
+        assert copies == [128]
         assert client.dropped == 2 and not first.done
     finally:
         client.close()
@@ -187,7 +197,7 @@ def test_a_catch_waiting_for_room_when_the_client_closes_is_told_so(monkeypatch,
     stalled = _StalledServer()
     client = thing.Client("127.0.0.1", stalled.port, max_queue_items=1)
     try:
-        client.catch(np.zeros(4), name="first")  # holds the one place, never acked
+        client.catch(STUCK, name="first")  # its send never ends: it holds the one place
         waiting: list[thing.CaptureHandle] = []
         catcher = threading.Thread(target=lambda: waiting.append(
             client.catch(np.zeros(elements), name="waits", block=True)))
@@ -426,25 +436,77 @@ def test_a_small_queue_is_sent_before_it_fills_and_wait_never_blocks_on_the_lock
 
 
 
-def test_answers_are_read_as_they_come_once_the_room_is_short(server: thing.Server) -> None:
-    """Between ticks (here a minute) the sender leaves acknowledgements for the tick; once
-    half the client's room is taken it reads them as they come, so the room the server has
-    answered for comes back at once, not a tick later (and catches are not dropped for it)."""
+def test_room_comes_back_once_a_capture_is_sent(server: thing.Server) -> None:
+    """A capture's room in the client's queue comes back once its bytes are sent, not with
+    its answer, which the sender leaves for its tick (here a minute) unless someone waits:
+    a small queue with ``block=True`` keeps moving, and nothing is dropped."""
     out = run_script(
         """
         import time, numpy as np, thing, thing.channel
         thing.channel.TICK_SECONDS = 60.0
-        client = thing.Client(max_queue_items=100)
-        # The 51st takes over half the room: all are sent at once, and answered.
-        handles = [client.catch(np.float32(i), name="short") for i in range(51)]
-        deadline = time.monotonic() + 30
+        client = thing.Client(max_queue_items=10)
+        started = time.monotonic()
+        handles = [client.catch(np.float32(i), name="room", block=True) for i in range(200)]
+        caught = time.monotonic()
+        flushed = client.flush(60)  # woken by the last answer, not by its timeout
+        print(caught - started < 30, client.dropped, flushed, time.monotonic() - caught < 30,
+              sum(handle.id is not None for handle in handles))
+        """,
+        server.port, timeout=150)
+    assert out.split() == ["True", "0", "True", "True", "200"]
+    assert [float(value) for value in server.get_all("room")] == list(range(200))
+
+
+def test_a_capture_larger_than_the_queue_is_not_dropped_for_answers_not_yet_read(
+        server: thing.Server) -> None:
+    """One larger than ``THING_QUEUE_BYTES`` goes only into an empty queue; captures already
+    sent no longer count there, though the sender reads their answers only at its tick."""
+    out = run_script(
+        """
+        import time, numpy as np, thing, thing.channel
+        thing.channel.TICK_SECONDS = 60.0
+        client = thing.Client(max_queue_bytes=1 << 20)
+        sent = [client.catch(np.float32(1), name="small"),
+                client.catch(np.ones(1 << 14), name="medium")]  # 128 KiB: sent at once
+        deadline = time.monotonic() + 20
         while client._queue.items and time.monotonic() < deadline:
             time.sleep(0.01)
-        print(client._queue.items, sum(handle.id is not None for handle in handles),
-              client.dropped)
+        big = client.catch(np.ones(1 << 18), name="big")  # 2 MiB
+        print(big.wait(20), big.error, all(handle.wait(20) for handle in sent), client.dropped)
         """,
-        server.port, timeout=50)
-    assert out.split() == ["0", "51", "0"]
+        server.port, timeout=80)
+    assert out.split() == ["True", "None", "True", "0"]
+    assert server.get("big").nbytes == 2 << 20
+
+
+def test_a_capture_sent_in_shared_memory_holds_its_room_until_answered(monkeypatch) -> None:
+    """Its pages live in a memfd until the server takes it, so the room it takes in the
+    job's memory comes back with its answer, not once the descriptor is sent."""
+    monkeypatch.setenv("THING_TRANSPORT", "shm")
+    server = thing.Server(port=0).start()
+    arrived, answering = threading.Event(), threading.Event()
+    add = server.store.add
+
+    def add_once_answering(*args: object, **kwargs: object) -> object:
+        arrived.set()
+        answering.wait(30)
+        return add(*args, **kwargs)
+
+    monkeypatch.setattr(server.store, "add", add_once_answering)
+    client = thing.Client("127.0.0.1", server.port, max_queue_bytes=3 << 20)
+    try:
+        first = client.catch(np.ones(2 << 20, np.uint8), name="first")
+        assert arrived.wait(10)  # the memfd was sent, and taken; its answer waits
+        assert client.transport() == "shm"
+        assert client.catch(np.ones(2 << 20, np.uint8), name="second") is QUEUE_FULL
+        answering.set()
+        assert first.wait(10), first.error
+        third = client.catch(np.ones(2 << 20, np.uint8), name="third")
+        assert third.wait(10), third.error
+        assert client._queue.items == 0 and client._queue.bytes == 0
+    finally:
+        client.close()
+        server.close()
 
 
 def test_wait_keeps_its_timeout_while_the_client_lock_is_held(server: thing.Server,

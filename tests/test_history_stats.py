@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import thing
+from thing.arrays import LeafSpec
 from thing.history_stats import COLUMNS, StatsTable, capture_stats, stats_table
 from thing.store import HistoryStore, Sender
 
@@ -176,6 +178,30 @@ def test_one_value_is_described_as_the_chunked_loop_describes_it(value) -> None:
         type(field) for field in vars(chunked).values()]
     assert stats.array_stats(np.array([1e200, 1e200])).std == 0.0
 
+
+
+def _float32_bits(*bits: int) -> np.ndarray:
+    return np.array(bits, np.uint32).view(np.float32)
+
+
+SIGNALLING_NAN = 0x7FA00000  # float32 bits
+
+
+@pytest.mark.parametrize("value, spec, nans", [
+    (_float32_bits(SIGNALLING_NAN), None, 1),
+    (_float32_bits(SIGNALLING_NAN, 0x3FC00000, 0x40000000), None, 1),  # and 1.5, 2.0
+    (_float32_bits(*[SIGNALLING_NAN] * 40), None, 40),
+    (np.array([0x7FA0], np.uint16), LeafSpec("torch", "bfloat16", (1,), False), 1),
+    (np.array([0x7FA0, 0x3F80], np.uint16), LeafSpec("torch", "bfloat16", (2,), False), 1)])
+def test_a_signalling_nan_is_counted_without_a_warning(value, spec, nans: int) -> None:
+    """A signalling NaN makes a numpy cast warn: not from the REPL's background worker,
+    whichever path (one value, a few, the chunked loop) describes it."""
+    from thing import array_stats as stats
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        described = stats.array_stats(value, spec)
+    assert (described.count, described.nan) == (value.size, nans)
 
 
 @pytest.mark.parametrize("value", [

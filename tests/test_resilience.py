@@ -181,6 +181,45 @@ def test_cut_connections_store_nothing_corrupted_and_leak_nothing(
     poll(lambda: open_fds() <= baseline_fds, 10, f"descriptors back to {baseline_fds}")
 
 
+def test_a_server_that_breaks_the_protocol_at_once_is_not_redialled_in_a_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each connection is answered, then sent bytes that are no message: the client drops
+    it and tries again after a back-off that grows, as for a refused connection, instead of
+    spending the training job's CPU on connections as fast as they fail."""
+    monkeypatch.setenv("THING_TRANSPORT", "tcp")  # this peer has no Unix socket
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[float] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                peer, _ = listener.accept()
+            except OSError:
+                return
+            with peer:
+                accepted.append(time.monotonic())
+                prefix = peer.recv(wire.HANDSHAKE.size, socket.MSG_WAITALL)
+                _, length = wire.decode_handshake_prefix(prefix)
+                peer.recv(length, socket.MSG_WAITALL)
+                peer.sendall(wire.encode_handshake({"server": "broken"}) + b"XX" * 32)
+                peer.recv(1)  # until the client hangs up
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = thing.Client("127.0.0.1", listener.getsockname()[1])
+    try:
+        client.catch(1, name="x")  # opens the channel
+        poll(lambda: len(accepted) >= 3, 10, "three connections")
+        time.sleep(1.5)  # what a loop would fill with connections
+        count = len(accepted)
+    finally:
+        client.close()
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept, which close() alone does not
+        listener.close()
+    assert count < 12, f"{count} connections in about 2 s"
+    gaps = [later - earlier for earlier, later in zip(accepted, accepted[1:])]
+    assert all(gap >= 0.04 for gap in gaps), gaps
+
+
 # -- what was dropped is counted, and shown -------------------------------------------------------
 
 

@@ -64,8 +64,9 @@ def array_stats(value: Any, spec: LeafSpec | None = None) -> ArrayStats | None:
     size = _size(flat)
     describe = (_one_value_stats if size == 1 else _few_values_stats if size <= FEW_VALUES
                 else _chunked_stats)
-    if describe is not _chunked_stats and not magnitude:
-        # A cast that cannot warn, then plain Python: np.errstate costs more than that.
+    if describe is not _chunked_stats and to_float is _to_float64:
+        # Values that reach Python without a numpy cast that could warn (see
+        # _python_floats), then plain Python: np.errstate costs more than that.
         return describe(flat, to_float, magnitude, exact_int)
     # Values near the float64 limits overflow a square: the result says inf, not a warning
     # printed from whichever thread (the REPL's, the background worker's) asked.
@@ -122,7 +123,7 @@ def _one_value_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool
     reductions: most captures of a training loop are one number (a loss, a rate), and the
     background worker describes every one."""
     raw = _chunk(flat, 0, 1)
-    value = float(to_float(raw)[0])
+    value = float(_python_floats(raw, to_float)[0])
     if value != value:
         return ArrayStats(1, 0, 1, 0, None, None, None, None, None, magnitude)
     if math.isinf(value):
@@ -139,7 +140,7 @@ def _few_values_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool
     on a small vector (a per-layer norm, a handful of metrics) numpy's reductions cost
     several times their arithmetic, and the background worker describes every capture."""
     raw = _chunk(flat, 0, FEW_VALUES)
-    values = to_float(raw).tolist()
+    values = _python_floats(raw, to_float)
     finite = [value for value in values if -math.inf < value < math.inf]
     count = len(values)
     nan = 0 if len(finite) == count else sum(value != value for value in values)
@@ -181,6 +182,14 @@ def value_histogram(value: Any, spec: LeafSpec | None, bins: int, low: float, hi
             index = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, bins - 1)
             counts += np.bincount(index, minlength=bins)
     return counts, edges
+
+
+def _python_floats(raw: np.ndarray, to_float: Any) -> list[Any]:
+    """``to_float(raw)`` as Python numbers. Plain floats widen in ``tolist``, which, unlike a
+    numpy cast, does not warn of a signalling NaN among them; integers cannot make it warn."""
+    if to_float is _to_float64 and raw.dtype.kind == "f" and raw.dtype.itemsize <= 8:
+        return raw.tolist()
+    return to_float(raw).tolist()
 
 
 def as_float64(array: np.ndarray, spec: LeafSpec) -> np.ndarray | None:
@@ -270,9 +279,14 @@ def _float_converter(flat: Any, spec: LeafSpec | None) -> Any:
     if kind == "c":
         return lambda raw: np.abs(raw).astype(np.float64)
     if kind in "fiub":
-        return lambda raw: raw.astype(np.float64)
+        return _to_float64
     try:  # ml_dtypes (bfloat16, float8) cast to float
         flat[:0].astype(np.float64)
     except (TypeError, ValueError):
         return None
     return lambda raw: raw.astype(np.float64)
+
+
+def _to_float64(raw: np.ndarray) -> np.ndarray:
+    """The plain cast of numpy's own numbers (floats, integers, bools)."""
+    return raw.astype(np.float64)

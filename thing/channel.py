@@ -11,10 +11,10 @@ wakes it through a socket pair) and for the server's messages. Between ticks
 of small captures it does not listen for their acknowledgements: it reads
 them at the next tick, so a training loop's capture costs one wake-up of this
 process a tick, not two. It listens at once whenever someone waits for an
-outcome, for a while after a catch found the client's room short (room comes
-back only with acknowledgements), when it is idle (control messages, the
-server leaving), when the job catches a name on demand (requests), and, once
-``MAX_IN_FLIGHT`` frames await answers, for them.
+outcome, when it is idle (control messages, the server leaving), when the job
+catches a name on demand (requests), and, once ``MAX_IN_FLIGHT`` frames await
+answers, for them. A capture's room in the client's queue comes back once its
+bytes are sent, so no catch waits for answers left for the tick.
 
 The server answers every frame exactly once, in frame order, so the oldest
 frame in flight is always the one an acknowledgement is for; the reader
@@ -74,9 +74,6 @@ COALESCE = 64
 MAX_IN_FLIGHT = 128
 # How long hurry() waits for the lock before it leaves flags for the next tick instead.
 HURRY_LOCK_SECONDS = 0.001
-# How long after a catch found the client's room short the sender reads acknowledgements
-# as they come, not at the next tick.
-ROOM_SHORT_SECONDS = 10.0
 # Headers of single arrays kept per connection, by name, layout, call site and rank: a
 # name caught every step is encoded once (see Channel._header).
 MAX_KEPT_HEADERS = 1024
@@ -154,15 +151,15 @@ class Channel:
         self._idle = False
         self._send_now = False
         self._acks_wanted = False
-        # Until then, acknowledgements are read as they come: a catch found the room
-        # short, and room comes back only with them (see _room_short).
-        self._room_short_until = 0.0
         self._queued_bytes = 0  # of the captures in _queue
         # Sent and awaiting the server's ack, in the order they were sent. An OrderedDict
         # finds its first key at once; a plain dict walks past every key popped before it
         # (a microsecond an acknowledgement, with a thousand frames in flight).
         self._inflight: OrderedDict[int, Pending] = OrderedDict()
         self._next_seq = 0  # frames are numbered in the order they are sent
+        # Room (bytes) of frames in flight sent in a memfd, by sequence number: see
+        # _hold_room_until_answered.
+        self._shared_room: dict[int, int] = {}
         self._sock: socket.socket | None = None
         self._notices = False  # whether the server takes notices of unsent captures
         self._told: set[tuple[str | None, str]] = set()  # notices sent on this connection
@@ -181,7 +178,6 @@ class Channel:
         # Asked here, on the thread that opens the channel, not on the sender thread: see
         # sockets.own_names (a fork while the sender is inside the resolver).
         self._this_host = is_this_host(address[0])
-        queue.short.append(self._room_short)  # the client opens channels holding the lock
         self._thread = threading.Thread(
             target=self._run, name=f"thing-send-{address[0]}:{address[1]}", daemon=True
         )
@@ -290,8 +286,6 @@ class Channel:
         queue.append(pending)
         self._queued_bytes += nbytes
         room = self._room
-        if 2 * room.items > room.max_items or 2 * room.bytes > room.max_bytes:
-            self._room_short()  # half of it is taken: its answers must not wait for a tick
         # A small capture wakes nobody while the sender keeps its tick or is busy (waking
         # it costs the training loop more than the capture): it goes with the next batch,
         # unless what waits here is half of what the client may hold (a small
@@ -328,13 +322,6 @@ class Channel:
         finally:
             self._mutex.release()
 
-    def _room_short(self) -> None:
-        """The client's room is short: read acknowledgements as they come for a while (the
-        caller holds the lock). Between ticks they would give it back only at the tick."""
-        self._room_short_until = time.monotonic() + ROOM_SHORT_SECONDS
-        if self._inflight:
-            self._signal()
-
     def _signal(self) -> None:
         """Wake the sender if it sleeps (the caller holds the lock)."""
         if self._asleep:
@@ -347,8 +334,6 @@ class Channel:
         with self._mutex:
             self._closed = True
             dropped = self._take_queue("closed")
-            if self._room_short in self._room.short:
-                self._room.short.remove(self._room_short)
             self._signal()
         for pending in dropped:
             pending.handle.resolve(None, "not sent: the client was closed first")
@@ -378,8 +363,13 @@ class Channel:
                     self._sleep(delay)
                     delay = min(delay * 2, config.reconnect_interval())
                     continue
-                delay = 0.05
+                connected_at = time.monotonic()
                 self._serve(sock, mac)
+                if time.monotonic() - connected_at >= config.reconnect_interval():
+                    delay = 0.05
+                else:  # a server that breaks the protocol or hangs up at once: not in a loop
+                    self._sleep(delay)
+                    delay = min(delay * 2, config.reconnect_interval())
         finally:
             with self._mutex:  # no one signals a closed pair (see _signal)
                 self._asleep = False
@@ -387,15 +377,19 @@ class Channel:
                 self._wake_read.close()
 
     def _sleep(self, seconds: float) -> None:
-        """Wait ``seconds`` before trying again, or until the channel closes."""
-        with self._mutex:
-            if self._closed:
-                return
-            self._asleep = True
-        self._wake_only.poll(seconds * 1000)
-        with self._mutex:
-            self._asleep = False
-        self._drain_wake()
+        """Wait ``seconds`` before trying again, or until the channel closes (captures that
+        wake the sender meanwhile wait for the next attempt)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            with self._mutex:
+                remaining = deadline - time.monotonic()
+                if self._closed or remaining <= 0:
+                    return
+                self._asleep = True
+            self._wake_only.poll(remaining * 1000)
+            with self._mutex:
+                self._asleep = False
+            self._drain_wake()
 
     def _drain_wake(self) -> None:
         with contextlib.suppress(OSError):  # nothing was written
@@ -637,9 +631,9 @@ class Channel:
                 idle = self._idle = not due and not ticking
                 # A job that catches on demand listens at all times: a request's answer is
                 # due within a step or two, not a tick.
+                # So does one with frames in flight that hold room until answered.
                 poller = (self._wake_only if ticking and in_flight and not self._acks_wanted
-                          and not self._on_demand and now >= self._room_short_until
-                          else listening)
+                          and not self._on_demand and not self._shared_room else listening)
                 self._asleep = True
             events = poller.poll((next_tick - now) * 1000 if ticking else None)
 
@@ -648,41 +642,65 @@ class Channel:
                     undelivered: Undelivered) -> None:
         """Send frames in order: small finished ones together, one vectored write for up to
         COALESCE of them; one that is large, goes by shared memory, or whose end is known
-        only once it is sent, by itself."""
+        only once it is sent, by itself.
+
+        A frame's room in the client's queue is given back once its bytes are in the
+        kernel (or it ended unsent), not at its acknowledgement: from then on the client
+        holds nothing of it but its handle, and MAX_IN_FLIGHT bounds those. So room never
+        waits for answers the sender reads only at its tick. Frames sent in a memfd are
+        the exception (see _hold_room_until_answered).
+        """
         together: list[Any] = []
         sent: list[wire.Payload] = []
+        held = 0  # the frames from batch[held] on still hold their room
+        answered_for: set[int] = set()  # frames whose room comes back with their answer
 
-        def flush() -> None:
+        def give_back(through: int) -> None:
+            nonlocal held
+            if through > held:
+                ended = [pending.payload.nbytes for seq, pending in batch[held:through]
+                         if seq not in answered_for]
+                with self._mutex:
+                    self._room.give_back(sum(ended), len(ended))
+                held = through
+
+        def flush(through: int) -> None:
             if together:
                 send_buffers(sock, together)
             for payload in sent:  # the bytes are in the kernel: the arrays may be freed
                 payload.leaves.clear()
             together.clear()
             sent.clear()
+            give_back(through)
 
         alone = min(SMALL_BYTES, config.shm_threshold() if self.transport == "shm"
                     else SMALL_BYTES)
         whole = wire.encode_trailer(False)
-        for seq, pending in batch:
-            payload = pending.payload
-            if pending.notice is not None and not (
-                    self._steered if "on_demand" in pending.notice else self._notices):
-                self._finish(seq, None, "not sent: this server takes no notices", None)
-                continue
-            if payload.nbytes >= alone or _read_in_place(payload):
-                flush()
-                self._send(sock, mac, seq, pending, undelivered)
-                continue
-            frame = self._encode(seq, pending, undelivered)
-            if frame is not None:
-                prefix, header, views = frame  # both movers skip empty views
-                # Not read in place (see above): it cannot have torn.
-                together += [prefix, header, *views, whole if mac is None
-                             else _trailer(mac, prefix, header, False)]
-                sent.append(payload)
-            if len(sent) >= COALESCE:
-                flush()
-        flush()
+        try:
+            for index, (seq, pending) in enumerate(batch):
+                payload = pending.payload
+                if pending.notice is not None and not (
+                        self._steered if "on_demand" in pending.notice else self._notices):
+                    self._finish(seq, None, "not sent: this server takes no notices", None)
+                    continue
+                if payload.nbytes >= alone or _read_in_place(payload):
+                    flush(index)
+                    if self._send(sock, mac, seq, pending, undelivered):
+                        answered_for.add(seq)
+                    give_back(index + 1)
+                    continue
+                frame = self._encode(seq, pending, undelivered)
+                if frame is not None:
+                    prefix, header, views = frame  # both movers skip empty views
+                    # Not read in place (see above): it cannot have torn.
+                    together += [prefix, header, *views, whole if mac is None
+                                 else _trailer(mac, prefix, header, False)]
+                    sent.append(payload)
+                if len(sent) >= COALESCE:
+                    flush(index + 1)
+            flush(len(batch))
+        finally:  # the connection failed mid-batch: what was not sent is lost, its room free
+            give_back(len(batch))
 
     def _encode(self, seq: int, pending: Pending, undelivered: Undelivered
                 ) -> tuple[bytes, bytes, list[Any]] | None:
@@ -718,13 +736,14 @@ class Channel:
         return header
 
     def _send(self, sock: socket.socket, mac: auth.SessionMac | None, seq: int, pending: Pending,
-              undelivered: Undelivered) -> None:
+              undelivered: Undelivered) -> bool:
         """Send one frame by itself: a large one, or one read in place (its trailer says
-        whether the data moved on while it was sent, which is known only once it was)."""
+        whether the data moved on while it was sent, which is known only once it was).
+        True if its room is to come back with its answer (see _hold_room_until_answered)."""
         payload = pending.payload
         frame = self._encode(seq, pending, undelivered)
         if frame is None:
-            return
+            return False
         prefix, header, views = frame
         if self.transport == "shm" and payload.nbytes >= config.shm_threshold():
             sent = self._send_shared(sock, mac, seq, pending, header, views)
@@ -741,6 +760,17 @@ class Channel:
             send_buffers(sock, [*buffers, trailer])
         # The bytes are in the kernel: drop our references so the arrays can be freed.
         payload.leaves.clear()
+        return sent and self._hold_room_until_answered(seq, payload.nbytes)
+
+    def _hold_room_until_answered(self, seq: int, nbytes: int) -> bool:
+        """A frame sent in a memfd: its pages live until the server takes the descriptor,
+        so its room comes back with its answer (or its failure), not now. False if it
+        ended already (the channel closed meanwhile): its room comes back with the batch."""
+        with self._mutex:
+            if seq not in self._inflight:
+                return False
+            self._shared_room[seq] = nbytes
+            return True
 
     def _send_shared(self, sock: socket.socket, mac: auth.SessionMac | None, seq: int,
                      pending: Pending, header: bytes, views: list) -> bool:
@@ -780,7 +810,7 @@ class Channel:
         finished: list[Finished] = []
         broken = None
         with self._mutex:
-            inflight = self._inflight
+            inflight, shared_room = self._inflight, self._shared_room
             for status, seq, capture_id, message in acks:
                 oldest = next(iter(inflight), None)
                 if seq == wire.SEQ_OLDEST_UNANSWERED and oldest is not None:
@@ -792,6 +822,8 @@ class Channel:
                 pending = inflight.pop(seq, None)
                 if pending is None:
                     continue
+                if shared_room and seq in shared_room:  # the server has taken the memfd
+                    self._room.give_back(shared_room.pop(seq))
                 if status == wire.ACK_STORED:
                     finished.append((pending, capture_id, None, None))
                 else:
@@ -817,25 +849,26 @@ class Channel:
             finished: list[Finished] = [(pending, None, error, reason)
                                         for pending in self._inflight.values()]
             self._inflight.clear()
+            if self._shared_room:
+                self._room.give_back(sum(self._shared_room.values()), len(self._shared_room))
+                self._shared_room.clear()
             self._count(finished)
         _resolve(finished)
 
     def _count(self, finished: list[Finished]) -> None:
-        """Give back the room of finished captures and count how each ended (the caller
-        holds the lock): stored, or not delivered for its reason. Notices are not counted."""
+        """Count how each finished capture ended (the caller holds the lock): stored, or not
+        delivered for its reason. Notices are not counted. Wakes ``Client.flush``."""
         if not finished:
             return
         room = self._room
-        nbytes = 0
         for pending, capture_id, _, reason in finished:
-            nbytes += pending.payload.nbytes
             if pending.notice is not None:
                 continue
             if capture_id is not None:
                 room.stored += 1
             elif reason is not None:
                 room.undelivered[reason] += 1
-        room.give_back(nbytes, len(finished))
+        self._lock.notify_all()
 
     def _log_once(self, key: str, level: int, message: str, *args: Any,
                   exc_info: bool = False) -> None:

@@ -6,7 +6,6 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 
 log = logging.getLogger("thing")
 
@@ -15,7 +14,7 @@ NOT_DELIVERED_REASONS = ("no server", "queue full", "failed", "lost", "closed")
 
 
 class SendQueue:
-    """The room a client's captures take until they are answered, shared by its channels.
+    """The room a client's captures take until they are sent, shared by its channels.
 
     ``lock`` is the one condition every channel of the client uses, on ``mutex``:
     holding the mutex is holding the condition, and costs less to take.
@@ -32,16 +31,11 @@ class SendQueue:
         self.bytes = 0
         self.undelivered: Counter[str] = Counter()
         self.stored = 0  # captures the server acknowledged as stored
-        # Each channel's way to be told the room ran short: room comes back only with
-        # acknowledgements, which its sender then reads as they come (see take).
-        self.short: list[Callable[[], None]] = []
         self._last_drop_log = 0.0
 
     def take(self, nbytes: int, block: bool) -> bool:
         """Take room for one capture (the caller holds ``lock``); False if full and not blocking."""
         while self.items >= self.max_items or (self.items and self.bytes + nbytes > self.max_bytes):
-            for tell in self.short:
-                tell()
             if not block:
                 self.undelivered["queue full"] += 1
                 now = time.monotonic()

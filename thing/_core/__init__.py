@@ -2,7 +2,8 @@
 
 ``THING_PUREPYTHON=1`` forces the twin; it is also used, with a warning that
 says how to build, when the extension cannot be imported (a source checkout
-that was never built).
+that was never built) or lacks a mover this source uses (one built from an
+older source, left in place).
 """
 
 from __future__ import annotations
@@ -10,12 +11,16 @@ from __future__ import annotations
 import logging
 import os
 
+# What both cores provide, and this package takes from the one it chose.
+_MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "copy_into", "recv_buffers", "recv_some",
+           "send_buffers", "split_small_frames", "split_stored_acks")
+
 
 def _say_not_built(exc: ImportError) -> None:
     """Warn, once at import where it can be seen, that the compiled core is missing, and why.
 
     Most likely a source checkout on the path that was never built (Python
-    started in the repository's folder).
+    started in the repository's folder), or built before its source changed.
     """
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     checkout = os.path.dirname(package)
@@ -25,8 +30,8 @@ def _say_not_built(exc: ImportError) -> None:
     else:
         remedy = "reinstall thing (`python -m pip install --force-reinstall thing`)"
     logging.getLogger("thing").warning(
-        "thing's compiled core is not built (%s), so thing runs on its slower pure-Python "
-        "twin. Imported from %s: %s.", exc, package, remedy)
+        "thing's compiled core is not built for this source (%s), so thing runs on its "
+        "slower pure-Python twin. Imported from %s: %s.", exc, package, remedy)
 
 
 if os.environ.get("THING_PUREPYTHON", "") not in ("", "0"):
@@ -37,6 +42,9 @@ else:
     try:
         from . import _transport as _movers
 
+        missing = [name for name in _MOVERS if not hasattr(_movers, name)]
+        if missing:
+            raise ImportError(f"the build is older than the source: it lacks {', '.join(missing)}")
         BACKEND = "compiled"
     except ImportError as exc:  # pragma: no cover - depends on the build
         from . import fallback as _movers
