@@ -505,6 +505,7 @@ def test_a_capture_sent_in_shared_memory_holds_its_room_until_answered(monkeypat
         assert third.wait(10), third.error
         assert client._queue.items == 0 and client._queue.bytes == 0
     finally:
+        answering.set()
         client.close()
         server.close()
 

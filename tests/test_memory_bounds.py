@@ -110,7 +110,8 @@ def tiny_value_headers(repl: Repl, elements: int = 300_000,
 
 def escaped_names(repl: Repl) -> list[socket.socket]:
     """8,000 captures under 4,000-character names that grow four times when escaped: twice
-    the cap in escaped names, half of it as sent."""
+    the cap in escaped names, half of it as sent (enough to tell; each new name costs the
+    REPL milliseconds to check and escape)."""
     run_script(
         """
         import thing

@@ -64,7 +64,7 @@ def array_stats(value: Any, spec: LeafSpec | None = None) -> ArrayStats | None:
     size = _size(flat)
     describe = (_one_value_stats if size == 1 else _few_values_stats if size <= FEW_VALUES
                 else _chunked_stats)
-    if describe is not _chunked_stats and to_float is _to_float64:
+    if describe is not _chunked_stats and to_float is _to_float64 and flat.dtype.itemsize <= 8:
         # Values that reach Python without a numpy cast that could warn (see
         # _python_floats), then plain Python: np.errstate costs more than that.
         return describe(flat, to_float, magnitude, exact_int)

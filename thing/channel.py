@@ -699,7 +699,9 @@ class Channel:
                 if len(sent) >= COALESCE:
                     flush(index + 1)
             flush(len(batch))
-        finally:  # the connection failed mid-batch: what was not sent is lost, its room free
+        finally:  # the connection failed mid-batch: what was not sent is lost, memory and room
+            for _, pending in batch[held:]:
+                pending.payload.leaves.clear()
             give_back(len(batch))
 
     def _encode(self, seq: int, pending: Pending, undelivered: Undelivered
