@@ -257,7 +257,7 @@ def test_stale_socket_of_a_killed_server_is_replaced(runtime_dir: Path) -> None:
 # -- a peer of another user --------------------------------------------------------------------
 
 AS_NOBODY = f"""
-import encodings.idna, json, os, sys, numpy as np, thing, thing.channel, thing.server, thing.sockets
+import encodings.idna, json, os, sys, numpy as np, thing, thing.dial, thing.server, thing.sockets
 from pathlib import Path
 # Imports first (the interpreter lives where nobody may read), then become nobody for good.
 os.setgroups([])
@@ -317,7 +317,7 @@ def test_another_user_pointed_at_the_socket_is_denied_and_sends_nothing(
         server: thing.Server) -> None:
     report = run_as_nobody(
         f"""
-        thing.channel.unix_socket_path = lambda port, host: Path({str(server.unix_path)!r})
+        thing.dial.unix_socket_path = lambda port, host: Path({str(server.unix_path)!r})
         handle = thing.catch(np.arange(6), name="pointed")
         print(json.dumps({{"stored": handle.wait(10), "error": handle.error}}))
         """,
@@ -328,7 +328,7 @@ def test_another_user_pointed_at_the_socket_is_denied_and_sends_nothing(
 
 
 NOBODY_THROUGH_AN_OPENED_DOOR = """
-thing.channel.unix_socket_path = lambda port, host: Path({path!r})
+thing.dial.unix_socket_path = lambda port, host: Path({path!r})
 client = thing.Client("127.0.0.1", {port})
 handle = client.catch(np.arange(7), name="intruder")
 stored = handle.wait(10)
@@ -390,9 +390,9 @@ def test_a_client_refuses_a_unix_socket_served_by_another_user(tmp_path: Path) -
         path, port = rogue.stdout.readline().split()
         out = run_script(
             f"""
-            import numpy as np, thing, thing.channel
+            import numpy as np, thing, thing.dial
             from pathlib import Path
-            thing.channel.unix_socket_path = lambda port, host: Path({path!r})
+            thing.dial.unix_socket_path = lambda port, host: Path({path!r})
             handle = thing.catch(np.arange(3), name="secret")
             print(handle.wait(10), handle.error)
             """,

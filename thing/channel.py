@@ -1,8 +1,8 @@
 """The connection to one server: its send queue and the one thread that sends and reads.
 
-A :class:`Channel` chooses the path (Unix socket, shared memory or TCP),
-performs the handshake, sends each queued capture as one frame straight from
-its arrays' memory, and resolves each capture's handle from the server's
+A :class:`Channel` connects (through :func:`thing.dial.dial`: the path and the
+handshake), sends each queued capture as one frame straight from its arrays'
+memory, and resolves each capture's handle from the server's
 acknowledgements. Whatever happens (a refusal, a lost connection, a bug, the
 client closing), every handle it accepted is resolved exactly once.
 
@@ -28,7 +28,6 @@ import logging
 import os
 import select
 import socket
-import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -38,20 +37,13 @@ from . import auth, config, shm, wire
 from ._core import send_buffers
 from .answers import Acknowledgement, Answers
 from .arrays import leaf_bytes, torn
+from .dial import TRANSPORT_NAMES, dial
 from .errors import HandshakeError, ProtocolError
 from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle
 from .names import CallSite
 from .overrides import Overrides
 from .send_queue import SendQueue
-from .sockets import (
-    connect,
-    connect_unix,
-    is_this_host,
-    peer_uid,
-    set_timeouts,
-    shutdown,
-    unix_socket_path,
-)
+from .sockets import is_this_host, shutdown
 
 log = logging.getLogger("thing")
 
@@ -77,12 +69,6 @@ HURRY_LOCK_SECONDS = 0.001
 # Headers of single arrays kept per connection, by name, layout, call site and rank: a
 # name caught every step is encoded once (see Channel._header).
 MAX_KEPT_HEADERS = 1024
-
-_TRANSPORT_NAMES = {
-    "tcp": "TCP",
-    "unix": "a Unix socket",
-    "shm": "a Unix socket, with shared memory for large arrays",
-}
 
 _CLOSED_IN_FLIGHT = ("unacknowledged: the client was closed before the server answered "
                      "(it may or may not have stored it)")
@@ -433,105 +419,17 @@ class Channel:
                 self._fail_inflight("lost", "unacknowledged: the connection to the server was "
                                     "lost before it answered (it may or may not have stored it)")
 
-    def _open(self, token: str | None) -> tuple[socket.socket, str]:
-        """Connect by the fastest safe path: shared memory or a Unix socket, else TCP.
-
-        On this host a Unix socket is used when it is there and its server is this
-        user's (checked with SO_PEERCRED, as the server checks us). TCP to this host
-        is another matter: any local user may be listening on the port before the
-        real server is. So without a token a client does not fall back to it
-        unless ``THING_TRANSPORT=tcp`` says so; with one, the server must prove it.
-        """
-        host, port = self.address
-        wanted = config.transport()
-        if wanted == "tcp" or not self._this_host:
-            return connect(host, port, config.connect_timeout()), "tcp"
-        path = unix_socket_path(port, host)
-        why = f"no thing server of this user listens on this machine's Unix socket {path}"
-        if path is not None:
-            try:
-                sock = connect_unix(path, config.connect_timeout())
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                why = f"the Unix socket {path} is unusable ({exc})"
-            else:
-                owner = peer_uid(sock)
-                if owner in (None, 0, os.getuid()):
-                    return sock, "shm" if wanted == "shm" and shm.AVAILABLE else "unix"
-                sock.close()
-                why = f"the Unix socket {path} is served by another user (uid {owner})"
-        if token is None:
-            raise HandshakeError(
-                f"{why}; without a token, thing sends to a server on this machine only through "
-                "that socket (another user could be listening on the TCP port). Set "
-                "THING_TRANSPORT=tcp to use TCP anyway (an ssh tunnel, a container), or "
-                "give both sides a token (THING_TOKEN)"
-            )
-        return connect(host, port, config.connect_timeout()), "tcp"
-
     def _connect(self) -> tuple[socket.socket, auth.SessionMac | None]:
-        try:
-            configured = auth.configured_token(self.token)
-        except ValueError as exc:
-            raise HandshakeError(str(exc)) from None
-        token = configured or auth.client_token(self.address[1])
-        sock, transport = self._open(token)
-        try:
-            # TCP to this host, unless forced, counts only if the server proves the token.
-            tcp_here = transport == "tcp" and config.transport() != "tcp" and self._this_host
-            mac = self._handshake(sock, token, configured is not None or tcp_here,
-                                  transport == "shm")
-        except BaseException:
-            sock.close()
-            raise
-        if transport != self.transport:
+        """A new connection that passed the handshake (see thing/dial.py)."""
+        dialled = dial(self.address, self.token, self._this_host, self.overrides.enabled)
+        with self._mutex:
+            self._notices, self._told = dialled.notices, set()
+            self._steered = dialled.steered
+        if dialled.transport != self.transport:
             log.info("sending to the thing server at %s:%d over %s", *self.address,
-                     _TRANSPORT_NAMES[transport])
-        self.transport = transport
-        return sock, mac
-
-    def _handshake(self, sock: socket.socket, token: str | None, server_must_prove: bool,
-                   shared_memory: bool) -> auth.SessionMac | None:
-        """Greet the server; with a token, each side proves it. Returns the session's MAC."""
-        host, port = self.address
-        client_nonce = auth.new_nonce()
-        hello = {**_identity(), "nonce": client_nonce, "shared_memory": shared_memory,
-                 "control": self.overrides.enabled}
-        send_buffers(sock, [wire.encode_handshake(hello)])
-        status, info = wire.recv_handshake(sock)
-        mac = None
-        if status == wire.HANDSHAKE_CHALLENGE:
-            server_nonce = str(info.get("nonce", ""))
-            if token is not None and not auth.verify(
-                    auth.server_proof(token, client_nonce, server_nonce), info.get("proof")):
-                raise HandshakeError(
-                    f"the server at {host}:{port} could not prove it knows the token: it is "
-                    "not the server you meant (or the tokens differ); not sending to it")
-            # Without a token, answer anyway, so the server can say why it refuses us.
-            proof = "" if token is None else auth.client_proof(token, client_nonce, server_nonce)
-            send_buffers(sock, [wire.encode_handshake({"proof": proof})])
-            status, info = wire.recv_handshake(sock)
-            if token is not None:
-                mac = auth.SessionMac(token, client_nonce, server_nonce)
-        elif status == wire.HANDSHAKE_OK and server_must_prove:
-            raise HandshakeError(
-                f"the server at {host}:{port} did not ask for the token, so it cannot prove "
-                "it is yours (another user's, listening first?); not sending to it")
-        if status == wire.HANDSHAKE_OK:
-            with self._mutex:
-                self._notices, self._told = info.get("notices") is True, set()
-                self._steered = info.get("control") is True
-        if status != wire.HANDSHAKE_OK:
-            error = wire.printable(str(info.get("error", "?")))
-            if token is None and "token" in error:
-                raise HandshakeError(
-                    f"the server at {host}:{port} requires a token: set THING_TOKEN "
-                    "to the value the server printed"
-                )
-            raise HandshakeError(f"server refused the connection: {error}")
-        set_timeouts(sock, config.send_timeout(), None)
-        return mac
+                     TRANSPORT_NAMES[dialled.transport])
+        self.transport = dialled.transport
+        return dialled.sock, dialled.mac
 
     def _take_queue(self, reason: str) -> list[Pending]:
         """Empty the queue, giving back its room and counting it (the caller holds the lock)."""
@@ -936,18 +834,3 @@ def _looks(obj: Any) -> dict[str, Any]:
     except (TypeError, ValueError):  # a shape that is not one: the type says enough
         looks.pop("shape", None)
     return looks
-
-
-def _identity() -> dict[str, Any]:
-    from . import __version__
-    from .run_names import current_run
-
-    return {
-        "hostname": socket.gethostname(),
-        "pid": os.getpid(),
-        "run": current_run(),
-        "thing": __version__,
-        "python": sys.version.split()[0],
-    }
-
-
