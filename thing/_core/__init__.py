@@ -61,5 +61,4 @@ send_buffers = _movers.send_buffers
 split_small_frames = _movers.split_small_frames
 split_stored_acks = _movers.split_stored_acks
 
-__all__ = ["BACKEND", "MAX_DESCRIPTORS", "PrivateMapping", "copy_into", "recv_buffers",
-           "recv_some", "send_buffers", "split_small_frames", "split_stored_acks"]
+__all__ = ["BACKEND", *_MOVERS]
