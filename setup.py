@@ -11,7 +11,8 @@ if os.environ.get("THING_DEBUG_BUILD"):
 
 setup(
     ext_modules=cythonize(
-        [Extension("thing._core._transport", ["thing/_core/_transport.pyx"])],
+        [Extension("thing._core._transport", ["thing/_core/_transport.pyx"]),
+         Extension("thing._core._throttles", ["thing/_core/_throttles.pyx"])],
         compiler_directives=directives,
     ),
 )

@@ -326,7 +326,7 @@ def test_per_name_and_per_server_bookkeeping_is_bounded(monkeypatch) -> None:
     try:
         for i in range(1000):  # a job that makes up a new name every step
             client.catch(i, name=f"step-{i}", every=10)
-        assert len(client._throttles) == 100
+        assert 100 - 100 // 8 <= len(client._throttles) <= 100  # an eighth forgotten at a time
         assert client.catch(0, name="step-999", every=10) is thing.client.SKIPPED  # still counted
         servers = [f"127.0.0.1:{free_port()}" for _ in range(6)]
         for server in servers:

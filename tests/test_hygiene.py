@@ -38,7 +38,8 @@ def test_a_training_job_loads_only_the_sending_side(server) -> None:
     imported, sent, heavy = (out.splitlines() + [""])[:3]
     assert heavy == ""  # the store's name matching, the live view, IPython
     # `import thing`: the client and what its catch() needs before it opens a connection.
-    assert imported.split() == ["thing", "thing._core", "thing._core._transport", "thing.client",
+    assert imported.split() == ["thing", "thing._core", "thing._core._throttles",
+                                "thing._core._transport", "thing.client",
                                 "thing.config", "thing.errors", "thing.handles", "thing.names",
                                 "thing.run_names"]
     # Catching loads the sending side, never the server, the store or the REPL's.

@@ -136,15 +136,16 @@ def test_wheel_installs_into_a_fresh_venv_and_round_trips(wheel: Path, tmp_path:
         assert not Path(side["thing"]).resolve().is_relative_to(ROOT.resolve())
 
 
-def _import_from_a_source_tree(tmp_path: Path, old_build: str | None = None
+def _import_from_a_source_tree(tmp_path: Path, old_build: dict[str, str] | None = None
                                ) -> subprocess.CompletedProcess:
-    """``import thing`` in a copy of the source tree with no build in it (or ``old_build`` as
-    the compiled module's source), Python started there: which core it chose, and its log."""
+    """``import thing`` in a copy of the source tree with no build in it (or ``old_build``,
+    compiled module name -> its source, in its place), Python started there: which core it
+    chose, and its log."""
     shutil.copytree(ROOT / "thing", tmp_path / "thing",
                     ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
-    if old_build is not None:
-        (tmp_path / "thing" / "_core" / "_transport.py").write_text(old_build)
+    for module, source in (old_build or {}).items():
+        (tmp_path / "thing" / "_core" / f"{module}.py").write_text(source)
     result = subprocess.run([sys.executable, "-c", "import thing; print(thing.BACKEND)"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=60,
                             env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
@@ -161,6 +162,14 @@ def test_an_unbuilt_source_tree_says_how_to_build_it(tmp_path) -> None:
 def test_a_build_older_than_the_source_falls_back_to_the_twin(tmp_path) -> None:
     """An extension built before the source gained a mover (left in place by a checkout of
     newer code) is not used half-way: the twin runs, and the warning says to rebuild."""
-    result = _import_from_a_source_tree(
-        tmp_path, "from .fallback import recv_buffers, send_buffers  # the rest is missing\n")
+    result = _import_from_a_source_tree(tmp_path, {
+        "_transport": "from .fallback import recv_buffers, send_buffers  # the rest is missing\n",
+        "_throttles": "from .throttles import Throttle, Throttles, gated\n"})
     assert "older than the source: it lacks MAX_DESCRIPTORS" in result.stderr
+
+
+def test_a_build_from_before_the_gate_falls_back_to_the_twin(tmp_path) -> None:
+    """A build made before ``_throttles`` existed has a whole ``_transport`` and nothing else."""
+    result = _import_from_a_source_tree(tmp_path, {"_transport": "from .fallback import *\n"})
+    assert "compiled core is not built for this source" in result.stderr
+    assert "_throttles" in result.stderr

@@ -19,7 +19,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from . import run_names
+from . import _core, run_names
 from ._core import BACKEND
 from .client import CaptureHandle, Client
 from .errors import (
@@ -32,6 +32,7 @@ from .errors import (
     UnknownName,
     UnsupportedType,
 )
+from .handles import SKIPPED
 
 if TYPE_CHECKING:
     from .repl import (
@@ -172,7 +173,8 @@ def catch(
     server stored it; ``error`` says why not.
     """
     client = _default_client or _make_default_client()
-    return client.catch(
+    return Client.catch(  # the class's: this call already went through the gate below
+        client,
         obj,
         name,
         server,
@@ -186,9 +188,16 @@ def catch(
     )
 
 
+# The default client's every=/first= counts exist before it does, so that the calls they
+# skip are answered by the compiled core before any Python runs (thing/_core/_throttles.pyx).
+_default_throttles = _core.Throttles()
+catch = _core.gated(catch, _default_throttles, SKIPPED)
+
+
 def _make_default_client() -> Client:
     global _default_client
     with _default_client_lock:
         if _default_client is None:
-            _default_client = Client()  # THING_SERVER / THING_PORT, as any Client()
+            # THING_SERVER / THING_PORT, as any Client()
+            _default_client = Client(_throttles=_default_throttles)
         return _default_client

@@ -1,10 +1,12 @@
 """The sending side's public face: ``Client.catch`` on the caller's thread.
 
 On the caller's thread ``catch`` traces or takes the name, applies ``every=``
-and ``first=``, notes each array's dtype and shape, takes room in a bounded
-queue, and snapshots what must be snapshotted (small leaves, and every leaf
-with ``copy=True``; see :func:`thing.arrays.hold`): after taking room, so that
-a full queue costs no copy, except for a capture of a few KiB. No I/O, no
+and ``first=`` (a call they skip is answered by the compiled core before any
+Python runs: see ``thing/_core/_throttles.pyx``), notes each array's dtype
+and shape, takes room in a bounded queue, and snapshots what must be
+snapshotted (small leaves, and every leaf with ``copy=True``; see
+:func:`thing.arrays.hold`): after taking room, so that a full queue costs no
+copy, except for a capture of a few KiB. No I/O, no
 exception. All network work happens in a :class:`~thing.channel.Channel` per
 server, on its own threads. While no server listens, captures are dropped at
 once and the channel keeps trying to connect, about once a second.
@@ -26,7 +28,7 @@ import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from . import config
+from . import _core, config
 from .errors import UnsupportedType
 from .handles import CLOSED, SKIPPED, CaptureHandle
 from .names import CallSite, NameTracer
@@ -37,31 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("thing")
 
 __all__ = ["CaptureHandle", "Client"]
-
-
-class _Throttle:
-    """Per-name ``every=`` / ``first=`` bookkeeping."""
-
-    __slots__ = ("calls", "sent")
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.sent = 0
-
-    def admit(self, every: int, first: int | None) -> int:
-        """Count a call; its number (from 1) if it is one to send, else 0 (``every`` below 2
-        sends every call)."""
-        call = self.calls
-        self.calls = call + 1
-        if (every > 1 and call % every) or (first is not None and self.sent >= first):
-            return 0
-        self.sent += 1
-        return call + 1
-
-    def count(self) -> int:
-        """Count a call whatever the throttles say; its number (from 1)."""
-        self.calls += 1
-        return self.calls
 
 
 def _step_of(step: Any) -> int:
@@ -143,6 +120,7 @@ class Client:
         snapshot_bytes: int | None = None,
         token: str | None = None,
         control: bool | None = None,
+        _throttles: _core.Throttles | None = None,  # thing.catch's, made before its client
     ):
         from .overrides import Overrides
         from .sockets import parse_address
@@ -157,13 +135,18 @@ class Client:
         self._max_names = config.max_names()
         self._names = NameTracer(max_sites=self._max_names)
         # Kept by a forked child, as its names are: every= counts on from the parent's.
-        self._throttles: OrderedDict[str | None, _Throttle] = OrderedDict()
+        self._throttles = _core.Throttles() if _throttles is None else _throttles
+        self._throttles.max_names = self._max_names
         self._warned: set[str] = set()
         self._rank = _ProcessRank()
         # What the REPL set (thing.every, thing.request, ...), kept across forks like the
         # throttles it overrides.
         self._overrides = Overrides(config.control() if control is None else control,
                                     config.control_ttl(), lambda: self._rank.read()[0])
+        self._throttles.overrides = self._overrides  # while it steers, no call skips Python
+        # The calls every=/first= skip are answered by the compiled core, before any Python
+        # runs; the gate calls this class's catch for every other call.
+        self.catch = _core.gated(type(self).catch.__get__(self), self._throttles, SKIPPED)
         self._start_afresh()
         self._closed = False
         _live_clients.add(self)
@@ -179,6 +162,7 @@ class Client:
         self._queue = SendQueue(self.max_queue_bytes, self.max_queue_items)
         self._lock = self._queue.lock
         self._announced: set[str | None] = set()  # on-demand names told of, by this process
+        self._throttles.announced = self._announced  # the gate answers their calls
         # server= string -> channel, oldest first; several strings may share a channel.
         self._channels: OrderedDict[str | None, Channel] = OrderedDict()
 
@@ -217,15 +201,12 @@ class Client:
         the handle's ``wait()`` is False and its ``error`` says why when not
         stored.
         """
-        site = None
+        site = frame = None
         try:
             if name is None:
-                name, site = self._names.name_for(sys._getframe(_depth))
-            throttle = self._throttles.get(name)
-            try:  # the least recently caught name is the one forgotten first
-                self._throttles.move_to_end(name)
-            except KeyError:  # new, or forgotten by another thread just now
-                throttle = self._new_throttle(name)
+                frame = sys._getframe(_depth)
+                name, site = self._names.name_for(frame)
+            throttle = self._throttles.of(name, frame)  # frame: where the gate finds it next
             if self._overrides.active:  # the REPL set something: see overrides.py
                 call, requested = self._overrides.admit(name, throttle, int(every), first,
                                                         on_demand)
@@ -285,15 +266,6 @@ class Client:
                 channel.tell_unsent(name, site, self._rank.read(), obj, reason)
         except Exception as exc:  # still catch(): never raises
             log.debug("could not tell the server about %r: %s", name, exc)
-
-    def _new_throttle(self, name: str | None) -> _Throttle:
-        # Bounded: a job that makes up a new name every step must not grow without end.
-        # The least recently caught name's counting starts again if it comes back.
-        with self._lock:
-            throttle = self._throttles.setdefault(name, _Throttle())
-            while len(self._throttles) > self._max_names:
-                self._throttles.popitem(last=False)
-            return throttle
 
     def _open_channel(self, server: str | None) -> Channel | None:
         """The channel for ``server=``, opened if need be; None once the client is closed."""

@@ -73,8 +73,8 @@ def snapshot_bytes() -> int:
 
 def max_names() -> int:
     """Names whose ``every=``/``first=`` counts and call sites a client remembers
-    (``THING_MAX_NAMES``, 10,000); beyond it the oldest are forgotten (their counting
-    restarts)."""
+    (``THING_MAX_NAMES``, 10,000); beyond it the least recently caught are forgotten, an
+    eighth at a time (their counting restarts)."""
     return _env_int("THING_MAX_NAMES", 10_000)
 
 

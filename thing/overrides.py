@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 from . import wire
 
 if TYPE_CHECKING:
-    from .client import _Throttle
+    from ._core import Throttle
 
 log = logging.getLogger("thing")
 
@@ -192,7 +192,7 @@ class Overrides:
 
     # -- the training thread ---------------------------------------------------------
 
-    def admit(self, name: Optional[str], throttle: _Throttle, every: int,
+    def admit(self, name: Optional[str], throttle: Throttle, every: int,
               first: Optional[int], on_demand: bool) -> tuple[int, bool]:
         """Count a call of ``name``: ``(call number, requested)`` when it is to be sent,
         ``(0, False)`` when not. Called by catch() while :attr:`active`."""

@@ -1,8 +1,10 @@
-"""Chooses the byte movers: the compiled ``_transport`` or its pure-Python twin.
+"""Chooses the compiled core (``_transport``, the byte movers; ``_throttles``, the
+``every=``/``first=`` counts and the gate that answers throttled calls in C) or
+its pure-Python twin (``fallback``, ``throttles``).
 
 ``THING_PUREPYTHON=1`` forces the twin; it is also used, with a warning that
 says how to build, when the extension cannot be imported (a source checkout
-that was never built) or lacks a mover this source uses (one built from an
+that was never built) or lacks a name this source uses (one built from an
 older source, left in place).
 """
 
@@ -14,6 +16,7 @@ import os
 # What both cores provide, and this package takes from the one it chose.
 _MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "copy_into", "recv_buffers", "recv_some",
            "send_buffers", "split_small_frames", "split_stored_acks")
+_THROTTLES = ("Throttle", "Throttles", "gated")
 
 
 def _say_not_built(exc: ImportError) -> None:
@@ -36,18 +39,22 @@ def _say_not_built(exc: ImportError) -> None:
 
 if os.environ.get("THING_PUREPYTHON", "") not in ("", "0"):
     from . import fallback as _movers
+    from . import throttles as _throttles
 
     BACKEND = "python"
 else:
     try:
+        from . import _throttles
         from . import _transport as _movers
 
         missing = [name for name in _MOVERS if not hasattr(_movers, name)]
+        missing += [name for name in _THROTTLES if not hasattr(_throttles, name)]
         if missing:
             raise ImportError(f"the build is older than the source: it lacks {', '.join(missing)}")
         BACKEND = "compiled"
     except ImportError as exc:  # pragma: no cover - depends on the build
         from . import fallback as _movers
+        from . import throttles as _throttles
 
         BACKEND = "python"
         _say_not_built(exc)
@@ -60,5 +67,8 @@ recv_some = _movers.recv_some
 send_buffers = _movers.send_buffers
 split_small_frames = _movers.split_small_frames
 split_stored_acks = _movers.split_stored_acks
+Throttle = _throttles.Throttle
+Throttles = _throttles.Throttles
+gated = _throttles.gated
 
-__all__ = ["BACKEND", *_MOVERS]
+__all__ = ["BACKEND", *_MOVERS, *_THROTTLES]

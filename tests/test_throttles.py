@@ -1,0 +1,150 @@
+"""``every=``/``first=``, and the compiled gate that answers the calls they skip.
+
+A throttled call is answered by ``thing/_core/_throttles.pyx`` before any
+Python runs; the pure-Python twin has no gate and answers every call in
+``Client.catch``. Each test runs a real job process on each core: call for
+call, both must give the answers written out here, and the server must store
+the same call numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import thing
+
+from .conftest import script_env
+
+JOB = r"""
+import json, os, sys
+import numpy as np
+import thing
+from thing.handles import SKIPPED
+
+def marks(handles):
+    return "".join("S" if handle is SKIPPED else "x" for handle in handles)
+
+out = {}
+out["named, every=3"] = marks([thing.catch(1.0, name="n", every=3) for _ in range(10)])
+out["traced, every=3"] = marks([thing.catch(v, every=3) for v in range(10)])
+
+def step(loss):  # a new frame at every call, as a training step's
+    return thing.catch(loss, every=2, step=7)
+
+out["traced in a function"] = marks([step(float(v)) for v in range(7)])
+w, both = 0.0, []
+for _ in range(4):  # two lines, one name: one count
+    both.append(thing.catch(w, every=2))
+    both.append(thing.catch(w, every=2))
+out["two sites, one name"] = marks(both)
+out["first=2"] = marks([thing.catch(1.0, name="f", first=2) for _ in range(5)])
+out["every=2, first=2"] = marks([thing.catch(1.0, name="ef", every=2, first=2)
+                                 for _ in range(7)])
+out["numpy every"] = marks([thing.catch(1.0, name="np", every=np.int64(3)) for _ in range(7)])
+out["float every"] = marks([thing.catch(1.0, name="fl", every=2.0) for _ in range(4)])
+out["huge every"] = marks([thing.catch(1.0, name="huge", every=10**30) for _ in range(4)])
+out["every=0"] = marks([thing.catch(1.0, name="zero", every=0) for _ in range(3)])
+out["on_demand=False"] = marks([thing.catch(1.0, name="od", every=2, on_demand=False)
+                                for _ in range(4)])
+probe = np.zeros(3)
+out["on demand, not asked for"] = marks([thing.catch(probe, on_demand=True)
+                                         for _ in range(3)])
+
+# A client of its own counts on its own, and forgets beyond THING_MAX_NAMES: a traced
+# name it forgot counts from 1 again, though its call site was answered by the gate.
+os.environ["THING_MAX_NAMES"] = "8"
+client = thing.Client("127.0.0.1", 1)
+out["a client's own counts"] = marks([client.catch(1.0, name="n", every=3) for _ in range(4)])
+
+def forgetful(v):
+    return client.catch(v, every=3)
+
+seq = [forgetful(0), forgetful(1)]
+for i in range(20):
+    client.catch(0, name=f"other {i}")
+seq += [forgetful(2), forgetful(3)]
+out["forgotten, then back"] = marks(seq)
+client.close()
+
+# Whether throttled calls, from sites seen before, run any Python at all.
+def throttled():
+    thing.catch(1.0, name="n", every=1000)
+    thing.catch(w, every=1000)
+    thing.catch(probe, on_demand=True)
+
+throttled()
+python_calls = []
+sys.setprofile(lambda frame, event, arg: python_calls.append(1) if event == "call" else None)
+for _ in range(100):
+    throttled()
+sys.setprofile(None)
+out["python calls"] = len(python_calls)
+assert thing._default_client.flush(30)
+print(json.dumps(out))
+"""
+
+EXPECTED = {
+    "named, every=3": "xSSxSSxSSx",
+    "traced, every=3": "xSSxSSxSSx",
+    "traced in a function": "xSxSxSx",
+    "two sites, one name": "xSxSxSxS",
+    "first=2": "xxSSS",
+    "every=2, first=2": "xSxSSSS",
+    "numpy every": "xSSxSSx",
+    "float every": "xSxS",
+    "huge every": "xSSS",
+    "every=0": "xxx",
+    "on_demand=False": "xSxS",
+    "on demand, not asked for": "SSS",
+    "a client's own counts": "xSSx",
+    "forgotten, then back": "xSxS",
+}
+
+
+@pytest.mark.parametrize("pure_python", ["0", "1"], ids=["compiled", "python"])
+def test_both_cores_skip_and_number_the_same_calls(server: thing.Server, pure_python: str,
+                                                   tmp_path: Path) -> None:
+    job = tmp_path / "job.py"  # a file, so that names are traced from its source
+    job.write_text(JOB)
+    result = subprocess.run([sys.executable, str(job)], capture_output=True, text=True,
+                            timeout=60, env=script_env(server.port, THING_PUREPYTHON=pure_python))
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    python_calls = out.pop("python calls")
+    assert out == EXPECTED
+    if pure_python == "0":  # the gate answered all 300 calls; without it, each runs Python
+        assert python_calls == 100  # throttled() itself
+    else:
+        assert python_calls >= 400
+
+    def calls(name: str) -> list[int]:
+        return [capture.call for capture in server.store.get_all(name)]
+
+    assert calls("n") == [1, 4, 7, 10]
+    assert calls("loss") == [1, 3, 5, 7]
+    assert [c.step for c in server.store.get_all("loss")] == [7] * 4
+    assert calls("w") == [1, 3, 5, 7]
+    assert calls("ef") == [1, 3]
+    # On demand, never asked for: told of (throttled()'s is another function's), never sent.
+    assert sorted(told.name for told in server.store.available()) == ["probe", "probe_1"]
+    assert not {"probe", "probe_1"} & set(server.store.names())
+
+
+def test_catch_keeps_its_signature_and_help() -> None:
+    import inspect
+
+    parameters = list(inspect.signature(thing.catch).parameters)
+    assert parameters == ["obj", "name", "server", "every", "first", "copy", "block", "step",
+                          "on_demand"]
+    assert thing.catch.__doc__.startswith("Send ``obj`` to the thing server")
+    assert thing.catch.__name__ == "catch"
+    client = thing.Client("127.0.0.1", 1)
+    try:
+        assert client.catch.__doc__ == thing.Client.catch.__doc__
+    finally:
+        client.close()

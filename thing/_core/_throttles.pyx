@@ -1,0 +1,268 @@
+"""Every name's ``every=``/``first=`` counts, and throttled calls answered without Python.
+
+A training loop calls ``thing.catch(w, every=100)`` at every step, and 99
+calls in 100 send nothing: such a call should cost about what an empty
+function call costs. ``gated(catch, throttles, skipped)`` wraps a catch
+function in a C function that answers those calls itself: it finds the
+name's :class:`Throttle` (by the name given, or, for a traced name, by the
+instruction that called, remembered the first time the Python path traced
+it), and when the counts say the call is not sent (or it is on demand, and
+the REPL was told of the name) it counts it and returns ``skipped``. Every
+other call (one to send, a name or site not seen yet, anything while the
+REPL steers, arguments of an unusual type) goes to ``catch``, which decides
+with the same counts. So the gate only ever gives
+the answer ``catch`` would have given, sooner. The pure-Python twin
+(``throttles.py``) has no gate: ``catch`` answers every call.
+"""
+
+from cpython.object cimport PyObject
+from cpython.dict cimport PyDict_GetItem
+from cpython.exc cimport PyErr_Clear
+from cpython.ref cimport Py_XDECREF, Py_XINCREF
+
+import functools
+
+cdef extern from *:
+    """
+    #include "frameobject.h"
+    #if PY_VERSION_HEX < 0x030B0000  /* PyFrame_GetLasti is 3.11's: the field before it */
+    static int thing_frame_lasti(PyFrameObject *frame) { return frame->f_lasti; }
+    #else
+    #define thing_frame_lasti PyFrame_GetLasti
+    #endif
+    """
+    # The calling instruction, as this module reads it both where it remembers a site
+    # and where it looks one up (so the unit, which changed in 3.10, never matters).
+    int thing_frame_lasti(PyFrameObject *frame)
+
+cdef extern from "Python.h":
+    ctypedef struct PyFrameObject
+    ctypedef struct PyCodeObject
+    PyFrameObject *PyEval_GetFrame()  # borrowed; NULL when no Python code is running
+    PyCodeObject *PyFrame_GetCode(PyFrameObject *frame)  # a new reference
+    bint PyFrame_Check(object)
+    bint PyLong_CheckExact(object)
+    bint PyUnicode_CheckExact(object)
+    int PySet_Contains(object, object)  # -1 on an error, left set
+    long long PyLong_AsLongLongAndOverflow(object, int *overflow)  # exact ints: never raises
+    void Py_DECREF(PyObject *)
+
+
+cdef class Throttle:
+    """One name's ``every=``/``first=`` counts."""
+
+    cdef readonly object name
+    cdef public long long calls  # calls of the name, sent or not
+    cdef public long long sent
+    cdef unsigned long long used  # the table's clock at the name's latest call
+    cdef bint forgotten  # dropped from the table: the gate no longer answers for it
+
+    def __init__(self, name=None):
+        self.name = name
+
+    def admit(self, every, first) -> int:
+        """Count a call; its number (from 1) if it is one to send, else 0 (``every`` below 2
+        sends every call)."""
+        cdef long long call = self.calls
+        self.calls = call + 1
+        if (every > 1 and call % every) or (first is not None and self.sent >= first):
+            return 0
+        self.sent += 1
+        return call + 1
+
+    def count(self) -> int:
+        """Count a call whatever the throttles say; its number (from 1)."""
+        self.calls += 1
+        return self.calls
+
+
+# Traced names' call sites: a direct-mapped table, so that a lookup is one hash and one
+# comparison. Two sites that share a slot take turns: the one not in it takes the Python
+# path, which puts it back.
+cdef enum:
+    SITES = 1024
+
+cdef struct Site:
+    # Strong references: a code object kept alive cannot be replaced by another at its address.
+    PyObject *code
+    int instruction
+    PyObject *throttle
+
+
+cdef inline size_t _slot(PyObject *code, int instruction) noexcept:
+    return ((<size_t>code >> 4) ^ (<size_t>instruction * 2654435761u)) & (SITES - 1)
+
+
+cdef class Throttles:
+    """Every name's :class:`Throttle`, at most ``max_names`` of them (beyond it the least
+    recently caught are forgotten, an eighth at a time, and their counting restarts), and
+    the call sites of traced names, for the gate.
+
+    ``overrides`` is the client's table of what the REPL set: while it is ``active`` the
+    gate leaves every call to ``catch``. ``announced`` is the set of on-demand names this
+    process told the REPL of: the gate answers an on-demand call of those only.
+    """
+
+    cdef dict _by_name
+    cdef Site _sites[SITES]
+    cdef unsigned long long _clock
+    cdef public Py_ssize_t max_names
+    cdef public object overrides
+    cdef public set announced
+
+    def __init__(self, Py_ssize_t max_names=10_000):
+        self._by_name = {}
+        self.max_names = max_names
+        self.overrides = None
+        self.announced = None
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        for i in range(SITES):
+            Py_XDECREF(self._sites[i].code)
+            Py_XDECREF(self._sites[i].throttle)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def of(self, name, frame=None) -> Throttle:
+        """The throttle of ``name``, made if need be, and counted as its latest use.
+
+        ``frame``, for a traced name, is the frame of the code that called catch: its
+        next call from the same instruction is answered by the gate.
+        """
+        cdef Throttle throttle = self._by_name.get(name)
+        self._clock += 1
+        if throttle is None:  # setdefault: another thread may have made it just now
+            throttle = self._by_name.setdefault(name, Throttle(name))
+            throttle.used = self._clock
+            if len(self._by_name) > self.max_names:
+                self._forget_least_recent()
+        throttle.used = self._clock
+        if frame is not None:
+            if not PyFrame_Check(frame):
+                raise TypeError(f"not a frame: {frame!r}")
+            self._remember(frame.f_code, thing_frame_lasti(<PyFrameObject *><void *>frame),
+                           throttle)
+        return throttle
+
+    cdef _forget_least_recent(self):
+        # An eighth at a time: a job that makes up a new name at every step sorts the
+        # table once per max_names / 8 names, not once per name.
+        by_use = sorted(self._by_name.items(), key=_used)
+        cdef Throttle throttle
+        for name, throttle in by_use[:len(by_use) - self.max_names + self.max_names // 8]:
+            throttle.forgotten = True
+            self._by_name.pop(name, None)  # None: another thread forgot it too
+
+    cdef _remember(self, code, int instruction, Throttle throttle):
+        cdef Site *site = &self._sites[_slot(<PyObject *>code, instruction)]
+        Py_XINCREF(<PyObject *>code)
+        Py_XINCREF(<PyObject *>throttle)
+        Py_XDECREF(site.code)
+        Py_XDECREF(site.throttle)
+        site.code = <PyObject *>code
+        site.instruction = instruction
+        site.throttle = <PyObject *>throttle
+
+    cdef PyObject *_answerable(self, name) noexcept:
+        """The throttle of this call (borrowed) if the gate may answer for it, else NULL."""
+        cdef PyObject *throttle = NULL
+        cdef PyFrameObject *frame
+        cdef PyObject *code
+        cdef int instruction
+        cdef Site *site
+        try:
+            if self.overrides is not None and self.overrides.active:
+                return NULL
+        except Exception:  # not an Overrides: catch decides
+            return NULL
+        if name is None:
+            frame = PyEval_GetFrame()
+            if frame == NULL:
+                return NULL
+            instruction = thing_frame_lasti(frame)
+            code = <PyObject *>PyFrame_GetCode(frame)
+            site = &self._sites[_slot(code, instruction)]
+            if site.code == code and site.instruction == instruction:
+                throttle = site.throttle
+            Py_DECREF(code)
+        elif PyUnicode_CheckExact(name):
+            throttle = PyDict_GetItem(self._by_name, name)
+        if throttle != NULL and (<Throttle>throttle).forgotten:
+            return NULL
+        return throttle
+
+    cdef bint skips(self, name, every, first) noexcept:
+        """Whether ``catch(name=name, every=every, first=first)`` is a call that is not
+        sent; if so it is counted, as ``catch`` counts it. (On demand, catch also tells the
+        REPL of the name: the gate leaves those calls to it.)"""
+        cdef int overflow = 0
+        cdef long long every_n, first_n = -1
+        cdef PyObject *found
+        cdef Throttle throttle
+        if not PyLong_CheckExact(every):  # a numpy int, a float...: catch decides
+            return False
+        every_n = PyLong_AsLongLongAndOverflow(every, &overflow)
+        if overflow or every_n < 1:
+            return False
+        if first is not None:
+            if not PyLong_CheckExact(first):
+                return False
+            first_n = PyLong_AsLongLongAndOverflow(first, &overflow)
+            if overflow:
+                return False
+        if every_n == 1 and first is None:
+            return False
+        found = self._answerable(name)
+        if found == NULL:
+            return False
+        throttle = <Throttle>found
+        if not (throttle.calls % every_n or (first is not None and throttle.sent >= first_n)):
+            return False
+        self._count(throttle)
+        return True
+
+    cdef bint skips_on_demand(self, name) noexcept:
+        """Whether ``catch(name=name, on_demand=True)`` is a call nobody asked for, of a name
+        the REPL was told of; if so it is counted, as ``catch`` counts it."""
+        cdef PyObject *found = self._answerable(name)
+        cdef int told
+        if found == NULL or self.announced is None:
+            return False
+        told = PySet_Contains(self.announced, (<Throttle>found).name)
+        if told < 0:  # a name that cannot be looked up: catch decides
+            PyErr_Clear()
+        if told != 1:
+            return False
+        self._count(<Throttle>found)
+        return True
+
+    cdef inline void _count(self, Throttle throttle) noexcept:
+        throttle.calls += 1
+        self._clock += 1
+        throttle.used = self._clock
+
+
+def _used(item):
+    return (<Throttle>item[1]).used
+
+
+def gated(catch, Throttles throttles, skipped):
+    """``catch``, with the calls it would not send answered in C (see the module docstring).
+
+    ``catch`` is ``thing.catch`` or a client's bound ``catch``: the code that called the
+    gate is the code that called ``catch``, as no Python frame comes between them.
+    """
+
+    def gate(obj, name=None, server=None, every=1, first=None, *, copy=None, block=False,
+             step=None, on_demand=False):
+        if on_demand is False:
+            if throttles.skips(name, every, first):
+                return skipped
+        elif on_demand is True and throttles.skips_on_demand(name):
+            return skipped
+        return catch(obj, name, server, every, first, copy=copy, block=block, step=step,
+                     on_demand=on_demand)
+
+    return functools.wraps(catch)(gate)
