@@ -9,10 +9,12 @@ the same call numbers.
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,16 +137,65 @@ def test_both_cores_skip_and_number_the_same_calls(server: thing.Server, pure_py
     assert not {"probe", "probe_1"} & set(server.store.names())
 
 
-def test_catch_keeps_its_signature_and_help() -> None:
-    import inspect
+def parameters(function: Any, follow_wrapped: bool = True) -> list[tuple[str, Any, Any]]:
+    signature = inspect.signature(function, follow_wrapped=follow_wrapped)
+    return [(p.name, p.kind, p.default) for p in signature.parameters.values()
+            if p.name != "_depth"]  # Client.catch's, for thing.catch's own call through it
 
-    parameters = list(inspect.signature(thing.catch).parameters)
-    assert parameters == ["obj", "name", "server", "every", "first", "copy", "block", "step",
-                          "on_demand"]
-    assert thing.catch.__doc__.startswith("Send ``obj`` to the thing server")
-    assert thing.catch.__name__ == "catch"
+
+def test_the_gate_takes_what_catch_takes_and_shows_its_help() -> None:
+    """The gate's own parameters (what a call is checked against) are catch's, and help()
+    and inspect show catch's docstring and signature."""
     client = thing.Client("127.0.0.1", 1)
     try:
-        assert client.catch.__doc__ == thing.Client.catch.__doc__
+        for gate, behind in ((thing.catch, thing.catch.__wrapped__),
+                             (client.catch, client.catch.__wrapped__)):
+            assert parameters(gate, follow_wrapped=False) == parameters(behind)
+            assert parameters(gate) == parameters(behind)
+            assert gate.__doc__ == behind.__doc__ and gate.__name__ == "catch"
+        assert thing.catch.__doc__.startswith("Send ``obj`` to the thing server")
+    finally:
+        client.close()
+
+
+def test_a_subclass_catch_sees_every_call() -> None:
+    """The gate stands only in front of Client.catch itself: a subclass's own catch may
+    count calls, or treat every= otherwise, and gets every call."""
+
+    class SendsEverything(thing.Client):
+        seen = 0
+
+        def catch(self, obj: Any, name: Any = None, server: Any = None, every: int = 1,
+                  first: Any = None, **options: Any) -> Any:
+            SendsEverything.seen += 1
+            return super().catch(obj, name, server, 1, first, _depth=2, **options)
+
+    client = SendsEverything("127.0.0.1", 1)
+    try:
+        handles = [client.catch(1.0, name="n", every=3) for _ in range(6)]
+        assert SendsEverything.seen == 6
+        assert not any(handle is thing.client.SKIPPED for handle in handles)
+    finally:
+        client.close()
+
+
+def test_a_site_the_name_tracer_forgets_is_forgotten_by_the_gate(monkeypatch) -> None:
+    """Traced again, a call site may get another name (here: the same code run as another
+    module): the gate must not answer from the old name's counts."""
+    monkeypatch.setenv("THING_MAX_NAMES", "2")
+    client = thing.Client("127.0.0.1", 1)
+    code = compile("handle = client.catch(v, every=3)", "<cell>", "exec")
+
+    def run(module: str) -> str:
+        scope = {"client": client, "v": 0.0, "__name__": module}
+        exec(code, scope)
+        return "S" if scope["handle"] is thing.client.SKIPPED else "x"
+
+    try:
+        marks = run("a") + run("a")
+        client.catch(1, every=1)  # two more sites: the tracer (2 sites) forgets the first
+        client.catch(1, every=1)
+        marks += run("b")  # the same instruction, traced again: "v" of module b, call 1
+        assert marks == "xSx"
     finally:
         client.close()

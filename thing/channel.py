@@ -31,14 +31,15 @@ import socket
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, NamedTuple, Optional
+from typing import Any
 
-from . import auth, config, shm, wire
+from . import auth, config, frames, shm, wire
 from ._core import send_buffers
 from .answers import Acknowledgement, Answers
 from .arrays import leaf_bytes, torn
 from .dial import TRANSPORT_NAMES, dial
 from .errors import HandshakeError, ProtocolError
+from .frames import Finished, Headers, Pending, Undelivered, new_pending
 from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle
 from .names import CallSite
 from .overrides import Overrides
@@ -66,47 +67,12 @@ COALESCE = 64
 MAX_IN_FLIGHT = 128
 # How long hurry() waits for the lock before it leaves flags for the next tick instead.
 HURRY_LOCK_SECONDS = 0.001
-# Headers of single arrays kept per connection, by name, layout, call site and rank: a
-# name caught every step is encoded once (see Channel._header).
-MAX_KEPT_HEADERS = 1024
 
 _CLOSED_IN_FLIGHT = ("unacknowledged: the client was closed before the server answered "
                      "(it may or may not have stored it)")
 
 # Notices of unsent captures a connection sends at most (one per name and reason).
 MAX_TOLD = 1000
-
-
-# The sender's counts of captures not delivered, by reason, as a frame's header gives them.
-Undelivered = tuple[tuple[str, int], ...]
-
-
-class Pending(NamedTuple):
-    """A capture waiting to be sent, or sent and waiting for its acknowledgement.
-
-    ``catch`` makes one with ``_new_pending`` (``tuple.__new__``, every field given):
-    the named tuple's generated ``__new__`` costs half a microsecond on every call.
-    """
-
-    name: str | None
-    payload: wire.Payload
-    site: CallSite | None
-    caught_at: float
-    rank: tuple[int | None, int | None]  # (rank, world size) at the call
-    handle: CaptureHandle
-    # A notice, not a capture: its meta entry, {"unsent": {"type": ..., "reason": ...}} for
-    # a capture that could not be sent, {"on_demand": {"type": ..., ...}} for a name that
-    # is sent only when the REPL asks.
-    notice: dict[str, Any] | None = None
-    call: int = 0  # the call number of its name (0: not counted)
-    step: int | None = None  # the step the caller gave
-    requested: bool = False  # sent because the REPL asked for it (thing.request)
-
-
-_new_pending = tuple.__new__
-
-# A capture that ended: (pending, capture id if stored, error, reason it counts under).
-Finished = tuple[Pending, Optional[int], Optional[str], Optional[str]]  # noqa: UP007 (3.9)
 
 
 class Channel:
@@ -152,7 +118,7 @@ class Channel:
         self._steered = False  # whether the server may steer us (and takes announcements)
         # On-demand names and what they look like, told again on every new connection.
         self._on_demand: dict[str | None, Pending] = {}
-        self._headers: dict[tuple[Any, ...], bytes] = {}  # see _header
+        self._headers = Headers()
         self._hurry = self.hurry  # every handle's, bound once (not one more object a catch)
         self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
         self._closed = False
@@ -185,9 +151,9 @@ class Channel:
         (see :meth:`_enqueue`). Raises :class:`UnsupportedType` for what cannot travel."""
         caught_at = time.time()
         # Every field given, so the tuple is made directly (see Pending).
-        pending = _new_pending(Pending, (name, wire.take_apart(obj), site, caught_at, rank,
-                                         CaptureHandle(name, None, self._hurry), None, call,
-                                         step, requested))
+        pending = new_pending(Pending, (name, wire.take_apart(obj), site, caught_at, rank,
+                                        CaptureHandle(name, None, self._hurry), None, call,
+                                        step, requested))
         return self._enqueue(pending, block, copy, snapshot_bytes)
 
     def announce(self, name: str | None, site: CallSite | None,
@@ -581,7 +547,7 @@ class Channel:
                         self._steered if "on_demand" in pending.notice else self._notices):
                     self._finish(seq, None, "not sent: this server takes no notices", None)
                     continue
-                if payload.nbytes >= alone or _read_in_place(payload):
+                if payload.nbytes >= alone or frames.read_in_place(payload):
                     flush(index)
                     if self._send(sock, mac, seq, pending, undelivered):
                         answered_for.add(seq)
@@ -592,7 +558,7 @@ class Channel:
                     prefix, header, views = frame  # both movers skip empty views
                     # Not read in place (see above): it cannot have torn.
                     together += [prefix, header, *views, whole if mac is None
-                                 else _trailer(mac, prefix, header, False)]
+                                 else frames.trailer(mac, prefix, header, False)]
                     sent.append(payload)
                 if len(sent) >= COALESCE:
                     flush(index + 1)
@@ -609,7 +575,7 @@ class Channel:
         payload = pending.payload
         try:
             views = [leaf_bytes(leaf) for leaf in payload.leaves]
-            header = self._header(pending, undelivered)
+            header = self._headers.encode(pending, undelivered)
         except Exception as exc:  # a leaf that cannot be read: fail this capture only
             self._finish(seq, None, f"not sent: could not read the data: {exc}", "failed")
             self._log_once(f"send:{pending.name}", logging.WARNING,
@@ -618,22 +584,6 @@ class Channel:
         prefix = wire.encode_prefix(header, payload.nbytes, seq, pending.caught_at,
                                     call=pending.call, step=pending.step)
         return prefix, header, views
-
-    def _header(self, pending: Pending, undelivered: Undelivered) -> bytes:
-        """A capture's header: for a single array, the one encoded for the same name,
-        layout, call site and rank before (only the prefix changes from call to call)."""
-        payload = pending.payload
-        if payload.tree is not wire.SINGLE_LEAF or pending.notice is not None:
-            return wire.encode_header(pending.name, payload, _meta(pending, undelivered))
-        key = (pending.name, payload.leaves[0].spec, pending.site, pending.rank, undelivered,
-               pending.requested)
-        header = self._headers.get(key)
-        if header is None:
-            if len(self._headers) >= MAX_KEPT_HEADERS:
-                self._headers.clear()
-            header = wire.encode_header(pending.name, payload, _meta(pending, undelivered))
-            self._headers[key] = header
-        return header
 
     def _send(self, sock: socket.socket, mac: auth.SessionMac | None, seq: int, pending: Pending,
               undelivered: Undelivered) -> bool:
@@ -652,11 +602,11 @@ class Channel:
         if not sent:
             buffers = [prefix, header, *views]  # both movers skip empty views
             del views
-            if _read_in_place(payload):
+            if frames.read_in_place(payload):
                 # Whether a torch tensor moved on is known only once its bytes are in the kernel.
                 send_buffers(sock, buffers)
                 buffers = []
-            trailer = _trailer(mac, prefix, header, any(map(torn, payload.leaves)))
+            trailer = frames.trailer(mac, prefix, header, any(map(torn, payload.leaves)))
             send_buffers(sock, [*buffers, trailer])
         # The bytes are in the kernel: drop our references so the arrays can be freed.
         payload.leaves.clear()
@@ -687,8 +637,8 @@ class Channel:
                                         wire.KIND_SHARED_MEMORY, call=pending.call,
                                         step=pending.step)
             # Copied into the memfd by now: whether the data moved on during the copy.
-            message = prefix + header + _trailer(mac, prefix, header,
-                                                 any(map(torn, payload.leaves)))
+            message = prefix + header + frames.trailer(mac, prefix, header,
+                                                        any(map(torn, payload.leaves)))
             # Not a SIGPIPE if the server is gone (the core's sends say so too).
             sent = socket.send_fds(sock, [message], [fd], getattr(socket, "MSG_NOSIGNAL", 0))
             if sent < len(message):  # only a signal or a timeout splits a message this small
@@ -783,41 +733,6 @@ def _resolve(finished: list[Finished]) -> None:
         pending.handle.resolve(capture_id, error)
         if error is not None:
             log.debug("capture %r not stored: %s", pending.name, error)
-
-
-def _read_in_place(payload: wire.Payload) -> bool:
-    """Whether a leaf of ``payload`` is a torch tensor read in place, whose trailer can say
-    whether it moved on only once its bytes are sent. A loop, not any() of a generator,
-    which costs twice as much, for every frame."""
-    for leaf in payload.leaves:  # noqa: SIM110
-        if leaf.version is not None:
-            return True
-    return False
-
-
-def _trailer(mac: auth.SessionMac | None, prefix: bytes, header: bytes,
-             modified: bool) -> bytes:
-    """A frame's trailer, once its bytes are sent: whether its data was ``modified`` while
-    it was sent, and its MAC."""
-    trailer = wire.encode_trailer(modified)
-    return trailer if mac is None else trailer + mac.sign(prefix, header, trailer)
-
-
-def _meta(pending: Pending, undelivered: Undelivered) -> dict[str, Any]:
-    meta: dict[str, Any] = {}
-    if pending.site is not None:
-        site = pending.site
-        meta["site"] = f"{site.file}:{site.line} ({site.function})"
-    rank, world_size = pending.rank
-    if rank is not None:
-        meta["rank"], meta["world_size"] = rank, world_size
-    if undelivered:
-        meta["undelivered"] = dict(undelivered)
-    if pending.notice is not None:
-        meta.update(pending.notice)
-    if pending.requested:
-        meta["requested"] = True
-    return meta
 
 
 def _looks(obj: Any) -> dict[str, Any]:

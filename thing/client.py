@@ -133,10 +133,11 @@ class Client:
         self.max_queue_items = max_queue_items or config.queue_max_items()
         self.snapshot_bytes = config.snapshot_bytes() if snapshot_bytes is None else snapshot_bytes
         self._max_names = config.max_names()
-        self._names = NameTracer(max_sites=self._max_names)
         # Kept by a forked child, as its names are: every= counts on from the parent's.
         self._throttles = _core.Throttles() if _throttles is None else _throttles
         self._throttles.max_names = self._max_names
+        self._names = NameTracer(max_sites=self._max_names,
+                                 on_forget=self._throttles.forget_sites)
         self._warned: set[str] = set()
         self._rank = _ProcessRank()
         # What the REPL set (thing.every, thing.request, ...), kept across forks like the
@@ -145,8 +146,10 @@ class Client:
                                     config.control_ttl(), lambda: self._rank.read()[0])
         self._throttles.overrides = self._overrides  # while it steers, no call skips Python
         # The calls every=/first= skip are answered by the compiled core, before any Python
-        # runs; the gate calls this class's catch for every other call.
-        self.catch = _core.gated(type(self).catch.__get__(self), self._throttles, SKIPPED)
+        # runs; the gate calls this class's catch for every other call. Not in front of a
+        # subclass's own catch, which may treat the arguments otherwise.
+        if type(self).catch is Client.catch:
+            self.catch = _core.gated(Client.catch.__get__(self), self._throttles, SKIPPED)
         self._start_afresh()
         self._closed = False
         _live_clients.add(self)

@@ -45,7 +45,7 @@ import tokenize
 import types
 import unicodedata
 import weakref
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 log = logging.getLogger("thing")
 
@@ -78,14 +78,19 @@ class CallSite(NamedTuple):
 class NameTracer:
     """Names captures after the source text of their first argument, one name per variable."""
 
-    def __init__(self, keyword: str = "obj", max_sites: int = 10_000) -> None:
+    def __init__(self, keyword: str = "obj", max_sites: int = 10_000,
+                 on_forget: Optional[Callable[[], None]] = None) -> None:
         """``keyword`` is the argument that carries the captured object when not positional.
 
         ``max_sites`` bounds the per-instruction cache (code compiled again and
         again, as by ``exec`` in a loop, would otherwise grow it forever).
+        ``on_forget`` is called when that cache forgets an instruction: a site
+        traced again may get another name (other globals, edited source), so
+        what remembered the old one (the compiled gate's sites) must forget it too.
         """
         self.keyword = keyword
         self.max_sites = max_sites
+        self._on_forget = on_forget
         # (id(code), f_lasti) -> (weak reference to the code, (name, CallSite)). Keyed by id()
         # because hashing a code object hashes its constants (and every nested code
         # object) on each call; the weak reference tells a reused id from the original
@@ -151,8 +156,11 @@ class NameTracer:
             cache = self._by_instruction
             cache.pop((id(code), frame.f_lasti), None)  # a stale entry goes to the back
             cache[id(code), frame.f_lasti] = (weakref.ref(code), (name, site))
+            forgot = len(cache) > self.max_sites
             while len(cache) > self.max_sites:
                 del cache[next(iter(cache))]
+        if forgot and self._on_forget is not None:
+            self._on_forget()
         return name, site
 
     def _claim(self, base: str) -> str:

@@ -100,7 +100,8 @@ cdef class Throttles:
 
     ``overrides`` is the client's table of what the REPL set: while it is ``active`` the
     gate leaves every call to ``catch``. ``announced`` is the set of on-demand names this
-    process told the REPL of: the gate answers an on-demand call of those only.
+    process's ``catch`` has dealt with already (told the REPL of, or found it need not):
+    the gate answers an on-demand call of those only.
     """
 
     cdef dict _by_name
@@ -157,13 +158,29 @@ cdef class Throttles:
 
     cdef _remember(self, code, int instruction, Throttle throttle):
         cdef Site *site = &self._sites[_slot(<PyObject *>code, instruction)]
+        cdef PyObject *old_code = site.code
+        cdef PyObject *old_throttle = site.throttle
+        # The slot is whole before anything is released: freeing the old code object can
+        # run Python (a weak reference's callback), which may come back here.
         Py_XINCREF(<PyObject *>code)
         Py_XINCREF(<PyObject *>throttle)
-        Py_XDECREF(site.code)
-        Py_XDECREF(site.throttle)
         site.code = <PyObject *>code
         site.instruction = instruction
         site.throttle = <PyObject *>throttle
+        Py_XDECREF(old_code)
+        Py_XDECREF(old_throttle)
+
+    def forget_sites(self) -> None:
+        """Forget every call site remembered for the gate (the name tracer forgot one: traced
+        again, it may get another name)."""
+        cdef Py_ssize_t i
+        cdef PyObject *old_code
+        cdef PyObject *old_throttle
+        for i in range(SITES):
+            old_code, old_throttle = self._sites[i].code, self._sites[i].throttle
+            self._sites[i].code = self._sites[i].throttle = NULL
+            Py_XDECREF(old_code)
+            Py_XDECREF(old_throttle)
 
     cdef PyObject *_answerable(self, name) noexcept:
         """The throttle of this call (borrowed) if the gate may answer for it, else NULL."""
@@ -227,15 +244,19 @@ cdef class Throttles:
         """Whether ``catch(name=name, on_demand=True)`` is a call nobody asked for, of a name
         the REPL was told of; if so it is counted, as ``catch`` counts it."""
         cdef PyObject *found = self._answerable(name)
+        cdef Throttle throttle
         cdef int told
         if found == NULL or self.announced is None:
             return False
-        told = PySet_Contains(self.announced, (<Throttle>found).name)
+        # A reference of our own: the set's lookup may run Python (a name's __eq__), which
+        # may forget this throttle.
+        throttle = <Throttle>found
+        told = PySet_Contains(self.announced, throttle.name)
         if told < 0:  # a name that cannot be looked up: catch decides
             PyErr_Clear()
-        if told != 1:
+        if told != 1 or throttle.forgotten:
             return False
-        self._count(<Throttle>found)
+        self._count(throttle)
         return True
 
     cdef inline void _count(self, Throttle throttle) noexcept:
@@ -251,8 +272,9 @@ def _used(item):
 def gated(catch, Throttles throttles, skipped):
     """``catch``, with the calls it would not send answered in C (see the module docstring).
 
-    ``catch`` is ``thing.catch`` or a client's bound ``catch``: the code that called the
-    gate is the code that called ``catch``, as no Python frame comes between them.
+    ``catch`` is ``thing.catch`` or a ``Client``'s bound ``catch`` (not a subclass's own,
+    which may treat the arguments otherwise): the code that called the gate is the code
+    that called ``catch``, as no Python frame comes between them.
     """
 
     def gate(obj, name=None, server=None, every=1, first=None, *, copy=None, block=False,

@@ -8,20 +8,21 @@ answer ``catch`` gives, so this is its specification and its baseline.
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
+
+Catch = TypeVar("Catch", bound=Callable[..., Any])
 
 
 class Throttle:
     """One name's ``every=``/``first=`` counts."""
 
-    __slots__ = ("name", "calls", "sent", "used", "forgotten")
+    __slots__ = ("name", "calls", "sent", "used")
 
     def __init__(self, name: Any = None) -> None:
         self.name = name
         self.calls = 0  # calls of the name, sent or not
         self.sent = 0
         self.used = 0  # the table's clock at the name's latest call
-        self.forgotten = False
 
     def admit(self, every: int, first: Optional[int]) -> int:
         """Count a call; its number (from 1) if it is one to send, else 0 (``every`` below 2
@@ -76,11 +77,13 @@ class Throttles:
         # An eighth at a time: a job that makes up a new name at every step sorts the
         # table once per max_names / 8 names, not once per name.
         by_use = sorted(self._by_name.items(), key=lambda item: item[1].used)
-        for name, throttle in by_use[:len(by_use) - self.max_names + self.max_names // 8]:
-            throttle.forgotten = True
+        for name, _ in by_use[:len(by_use) - self.max_names + self.max_names // 8]:
             self._by_name.pop(name, None)  # None: another thread forgot it too
 
+    def forget_sites(self) -> None:
+        """For the compiled gate's call sites; there are none here."""
 
-def gated(catch: Callable[..., Any], throttles: Throttles, skipped: Any) -> Callable[..., Any]:
+
+def gated(catch: Catch, throttles: Throttles, skipped: Any) -> Catch:
     """``catch`` itself: without the compiled core, every call is answered in Python."""
     return catch
