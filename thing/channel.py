@@ -150,7 +150,7 @@ class Channel:
         """Queue a capture of ``obj``: taken apart, given room and snapshotted where it must be
         (see :meth:`_enqueue`). Raises :class:`UnsupportedType` for what cannot travel."""
         caught_at = time.time()
-        # Every field given, so the tuple is made directly (see Pending).
+        # Every field given, so the tuple is made directly (see frames.Pending).
         pending = new_pending(Pending, (name, wire.take_apart(obj), site, caught_at, rank,
                                         CaptureHandle(name, None, self._hurry), None, call,
                                         step, requested))

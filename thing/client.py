@@ -146,10 +146,9 @@ class Client:
                                     config.control_ttl(), lambda: self._rank.read()[0])
         self._throttles.overrides = self._overrides  # while it steers, no call skips Python
         # The calls every=/first= skip are answered by the compiled core, before any Python
-        # runs; the gate calls this class's catch for every other call. Not in front of a
-        # subclass's own catch, which may treat the arguments otherwise.
-        if type(self).catch is Client.catch:
-            self.catch = _core.gated(Client.catch.__get__(self), self._throttles, SKIPPED)
+        # runs; the gate calls this class's catch for every other call (see _CATCH).
+        if type(self).catch is _CATCH:
+            self.catch = _core.gated(_CATCH.__get__(self), self._throttles, SKIPPED)
         self._start_afresh()
         self._closed = False
         _live_clients.add(self)
@@ -210,6 +209,8 @@ class Client:
                 frame = sys._getframe(_depth)
                 name, site = self._names.name_for(frame)
             throttle = self._throttles.of(name, frame)  # frame: where the gate finds it next
+            if frame is not None and not self._names.still_names(frame, name):
+                self._throttles.forget_sites(frame.f_code)  # another thread's tracing forgot it
             if self._overrides.active:  # the REPL set something: see overrides.py
                 call, requested = self._overrides.admit(name, throttle, int(every), first,
                                                         on_demand)
@@ -358,6 +359,12 @@ class Client:
 
 
 _live_clients: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+# Client.catch as defined here: the gate stands in front of it only, not of a subclass's own
+# catch or one patched onto the class before the client was made (which may treat the
+# arguments otherwise). A client made before a patch keeps its gate: patch its own catch.
+_CATCH = Client.catch
 
 
 def _deliver_and_close() -> None:

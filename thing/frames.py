@@ -2,10 +2,10 @@
 
 A :class:`Pending` is what ``catch`` queues and the sender thread turns into a
 frame: prefix, header, the arrays' bytes, trailer (the layout is in
-``wire.py``). Only the prefix changes from call to call of a name caught with
-the same layout, so :class:`Headers` encodes a single array's header once per
-name, layout, call site and rank; the trailer is known only once the bytes
-are sent, for a tensor read in place may have moved on meanwhile.
+``wire.py``). From call to call of a name caught with the same layout, from
+the same place, only the prefix and the trailer change, so :class:`Headers`
+encodes a single array's header once; the trailer is known only once the
+bytes are sent, for a tensor read in place may have moved on meanwhile.
 """
 
 from __future__ import annotations
@@ -52,15 +52,16 @@ Finished = tuple[Pending, Optional[int], Optional[str], Optional[str]]  # noqa: 
 
 
 class Headers:
-    """The headers a channel encoded for single arrays, kept by name, layout, call site,
-    rank and what the sender had not delivered (at most ``MAX_KEPT_HEADERS``)."""
+    """The headers a channel encoded for single arrays, kept by everything a header says:
+    name, layout, call site, rank, what the sender had not delivered, and whether the
+    REPL asked for it (at most ``MAX_KEPT_HEADERS``)."""
 
     def __init__(self) -> None:
         self._kept: dict[tuple[Any, ...], bytes] = {}
 
     def encode(self, pending: Pending, undelivered: Undelivered) -> bytes:
-        """A capture's header: for a single array, the one encoded for the same name,
-        layout, call site and rank before (only the prefix changes from call to call)."""
+        """A capture's header: for a single array, the one encoded before for the same key,
+        if any."""
         payload = pending.payload
         if payload.tree is not wire.SINGLE_LEAF or pending.notice is not None:
             return wire.encode_header(pending.name, payload, _meta(pending, undelivered))
@@ -89,8 +90,8 @@ def trailer(mac: auth.SessionMac | None, prefix: bytes, header: bytes,
              modified: bool) -> bytes:
     """A frame's trailer, once its bytes are sent: whether its data was ``modified`` while
     it was sent, and its MAC."""
-    trailer = wire.encode_trailer(modified)
-    return trailer if mac is None else trailer + mac.sign(prefix, header, trailer)
+    unsigned = wire.encode_trailer(modified)
+    return unsigned if mac is None else unsigned + mac.sign(prefix, header, unsigned)
 
 
 def _meta(pending: Pending, undelivered: Undelivered) -> dict[str, Any]:

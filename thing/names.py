@@ -79,14 +79,16 @@ class NameTracer:
     """Names captures after the source text of their first argument, one name per variable."""
 
     def __init__(self, keyword: str = "obj", max_sites: int = 10_000,
-                 on_forget: Optional[Callable[[], None]] = None) -> None:
+                 on_forget: Optional[Callable[[types.CodeType], None]] = None) -> None:
         """``keyword`` is the argument that carries the captured object when not positional.
 
         ``max_sites`` bounds the per-instruction cache (code compiled again and
         again, as by ``exec`` in a loop, would otherwise grow it forever).
-        ``on_forget`` is called when that cache forgets an instruction: a site
-        traced again may get another name (other globals, edited source), so
-        what remembered the old one (the compiled gate's sites) must forget it too.
+        ``on_forget(code)`` is called (outside the lock) for each code object,
+        still alive, that the cache forgets an instruction of, or whose
+        instruction it traces to another name: traced again, a site may get
+        another name (other globals, edited source), so what remembered the old
+        one (the compiled gate's call sites) must forget it too.
         """
         self.keyword = keyword
         self.max_sites = max_sites
@@ -94,7 +96,8 @@ class NameTracer:
         # (id(code), f_lasti) -> (weak reference to the code, (name, CallSite)). Keyed by id()
         # because hashing a code object hashes its constants (and every nested code
         # object) on each call; the weak reference tells a reused id from the original
-        # without keeping any code object (or what it references) alive.
+        # without keeping any code object (or what it references) alive (the compiled
+        # gate keeps those of up to 1024 call sites alive: see thing/_core/_throttles.pyx).
         self._by_instruction: dict[tuple[int, int], tuple[Any, tuple[str, CallSite]]] = {}
         self._sites: dict[tuple[int, int], tuple[CallSite, Any]] = {}  # for name= captures
         # Everything below is touched only when a call site is seen for the first time.
@@ -122,6 +125,13 @@ class NameTracer:
         if cached is not None and cached[0]() is code:
             return cached[1]
         return self._resolve(frame)
+
+    def still_names(self, frame: types.FrameType, name: str) -> bool:
+        """Whether the cache still gives ``name`` for the instruction ``frame`` is executing
+        (another thread may have made it forget since :meth:`name_for` said so)."""
+        code = frame.f_code
+        cached = self._by_instruction.get((id(code), frame.f_lasti))
+        return cached is not None and cached[0]() is code and cached[1][0] == name
 
     def site_for(self, frame: types.FrameType) -> CallSite:
         """The call site of a capture given its name: cached per instruction, as names are."""
@@ -154,13 +164,20 @@ class NameTracer:
             if name is None:
                 name = self._by_key[key] = self._claim(text)
             cache = self._by_instruction
-            cache.pop((id(code), frame.f_lasti), None)  # a stale entry goes to the back
+            # A stale entry goes to the back; a live one is there only if another thread
+            # traced the same instruction just now, maybe in another module's globals.
+            replaced = cache.pop((id(code), frame.f_lasti), None)
             cache[id(code), frame.f_lasti] = (weakref.ref(code), (name, site))
-            forgot = len(cache) > self.max_sites
+            forgotten = ([code] if replaced is not None and replaced[0]() is code
+                         and replaced[1][0] != name else [])
             while len(cache) > self.max_sites:
-                del cache[next(iter(cache))]
-        if forgot and self._on_forget is not None:
-            self._on_forget()
+                reference, _ = cache.pop(next(iter(cache)))
+                alive = reference()
+                if alive is not None:  # a dead code object is remembered nowhere
+                    forgotten.append(alive)
+        if self._on_forget is not None:
+            for gone in forgotten:
+                self._on_forget(gone)
         return name, site
 
     def _claim(self, base: str) -> str:

@@ -5,8 +5,9 @@ calls in 100 send nothing: such a call should cost about what an empty
 function call costs. ``gated(catch, throttles, skipped)`` wraps a catch
 function in a C function that answers those calls itself: it finds the
 name's :class:`Throttle` (by the name given, or, for a traced name, by the
-instruction that called, remembered the first time the Python path traced
-it), and when the counts say the call is not sent (or it is on demand, and
+instruction that called: the Python path remembers it at each call of a
+traced name, and forgets it when the name tracer does, for traced again it
+may get another name), and when the counts say the call is not sent (or it is on demand, and
 the REPL was told of the name) it counts it and returns ``skipped``. Every
 other call (one to send, a name or site not seen yet, anything while the
 REPL steers, arguments of an unusual type) goes to ``catch``, which decides
@@ -153,8 +154,9 @@ cdef class Throttles:
         by_use = sorted(self._by_name.items(), key=_used)
         cdef Throttle throttle
         for name, throttle in by_use[:len(by_use) - self.max_names + self.max_names // 8]:
-            throttle.forgotten = True
-            self._by_name.pop(name, None)  # None: another thread forgot it too
+            if self._by_name.get(name) is throttle:  # not made again meanwhile
+                del self._by_name[name]
+                throttle.forgotten = True
 
     cdef _remember(self, code, int instruction, Throttle throttle):
         cdef Site *site = &self._sites[_slot(<PyObject *>code, instruction)]
@@ -170,14 +172,17 @@ cdef class Throttles:
         Py_XDECREF(old_code)
         Py_XDECREF(old_throttle)
 
-    def forget_sites(self) -> None:
-        """Forget every call site remembered for the gate (the name tracer forgot one: traced
-        again, it may get another name)."""
+    def forget_sites(self, code=None) -> None:
+        """Forget the call sites remembered for the gate in ``code`` (every one, without):
+        the name tracer forgot them, and traced again they may get another name."""
         cdef Py_ssize_t i
         cdef PyObject *old_code
         cdef PyObject *old_throttle
         for i in range(SITES):
             old_code, old_throttle = self._sites[i].code, self._sites[i].throttle
+            if old_code == NULL or (code is not None and old_code != <PyObject *>code):
+                continue
+            # Emptied before anything is released (which may run Python, and come back).
             self._sites[i].code = self._sites[i].throttle = NULL
             Py_XDECREF(old_code)
             Py_XDECREF(old_throttle)

@@ -77,10 +77,11 @@ class Throttles:
         # An eighth at a time: a job that makes up a new name at every step sorts the
         # table once per max_names / 8 names, not once per name.
         by_use = sorted(self._by_name.items(), key=lambda item: item[1].used)
-        for name, _ in by_use[:len(by_use) - self.max_names + self.max_names // 8]:
-            self._by_name.pop(name, None)  # None: another thread forgot it too
+        for name, throttle in by_use[:len(by_use) - self.max_names + self.max_names // 8]:
+            if self._by_name.get(name) is throttle:  # not made again meanwhile
+                del self._by_name[name]
 
-    def forget_sites(self) -> None:
+    def forget_sites(self, code: Optional[types.CodeType] = None) -> None:
         """For the compiled gate's call sites; there are none here."""
 
 
