@@ -195,25 +195,32 @@ def test_a_subclass_catch_sees_every_call() -> None:
         client.close()
 
 
+class Cell:
+    """One line of code, ``client.catch(v, every=3)``, run again and again as a module of
+    any name: one call site whose traced name depends on the module (its source is
+    unknown, so the names are ``<module>:1``, ``<module>:1_1``, ...)."""
+
+    def __init__(self, client: thing.Client):
+        self.client = client
+        self.code = compile("handle = client.catch(v, every=3)", "<cell>", "exec")
+
+    def run(self, module: str) -> str:
+        scope = {"client": self.client, "v": 0.0, "__name__": module}
+        exec(self.code, scope)
+        return "S" if scope["handle"] is thing.client.SKIPPED else "x"
+
+
 def test_a_site_the_name_tracer_forgets_is_forgotten_by_the_gate(monkeypatch) -> None:
     """Traced again, a call site may get another name (here: the same code run as another
     module): the gate must not answer from the old name's counts."""
     monkeypatch.setenv("THING_MAX_NAMES", "2")
     client = thing.Client("127.0.0.1", 1)
-    code = compile("handle = client.catch(v, every=3)", "<cell>", "exec")
-
-    def run(module: str) -> str:
-        scope = {"client": client, "v": 0.0, "__name__": module}
-        exec(code, scope)
-        return "S" if scope["handle"] is thing.client.SKIPPED else "x"
-
+    run = Cell(client).run
     try:
         marks = run("a") + run("a")
         client.catch(1, every=1)  # two more sites: the tracer (2 sites) forgets the first
         client.catch(1, every=1)
-        # The same instruction, traced again in module b: a name of its own, call 1 (the
-        # source of "<cell>" is unknown, so the names are <module>:1 and <module>:1_1).
-        marks += run("b")
+        marks += run("b")  # the same instruction, traced again: module b's name, call 1
         assert marks == "xSx"
     finally:
         client.close()
@@ -225,13 +232,7 @@ def test_a_site_forgotten_by_another_thread_s_tracing_is_not_remembered(monkeypa
     name_for): the gate must not keep it under the name the tracer forgot."""
     monkeypatch.setenv("THING_MAX_NAMES", "2")
     client = thing.Client("127.0.0.1", 1)
-    code = compile("handle = client.catch(v, every=3)", "<cell>", "exec")
-
-    def run(module: str) -> str:
-        scope = {"client": client, "v": 0.0, "__name__": module}
-        exec(code, scope)
-        return "S" if scope["handle"] is thing.client.SKIPPED else "x"
-
+    run = Cell(client).run
     name_for = client._names.name_for
     other_thread = []
 
