@@ -143,8 +143,8 @@ class Client:
         # What the REPL set (thing.every, thing.request, ...), kept across forks like the
         # throttles it overrides.
         self._overrides = Overrides(config.control() if control is None else control,
-                                    config.control_ttl(), lambda: self._rank.read()[0])
-        self._throttles.overrides = self._overrides  # while it steers, no call skips Python
+                                    config.control_ttl(), lambda: self._rank.read()[0],
+                                    self._throttles)
         # The calls every=/first= skip are answered by the compiled core, before any Python
         # runs; the gate calls this class's catch for every other call (see _CATCH).
         if type(self).catch is _CATCH:
@@ -208,9 +208,13 @@ class Client:
             if name is None:
                 frame = sys._getframe(_depth)
                 name, site = self._names.name_for(frame)
-            throttle = self._throttles.of(name, frame)  # frame: where the gate finds it next
-            if frame is not None and not self._names.still_names(frame, name):
-                self._throttles.forget_sites(frame.f_code)  # another thread's tracing forgot it
+            throttle = self._throttles.of(name)
+            # A traced name: the gate answers the next calls from here. If that is news, the
+            # tracer must still give the name (another thread's tracing may have made it
+            # forget since), or the gate would answer under a name the tracer no longer gives.
+            if (frame is not None and self._throttles.remember(frame, throttle)
+                    and not self._names.still_names(frame, name)):
+                self._throttles.forget_sites(frame.f_code)
             if self._overrides.active:  # the REPL set something: see overrides.py
                 call, requested = self._overrides.admit(name, throttle, int(every), first,
                                                         on_demand)

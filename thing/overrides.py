@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 from . import wire
 
 if TYPE_CHECKING:
-    from ._core import Throttle
+    from ._core import Throttle, Throttles
 
 log = logging.getLogger("thing")
 
@@ -173,14 +173,18 @@ class Overrides:
 
     ``enabled=False`` (``THING_CONTROL=0``, ``Client(control=False)``) ignores
     every message. ``rank()`` is this process's rank now, to skip messages
-    for another rank.
+    for another rank. ``throttles``, the client's counts, is told whether
+    anything is set (``Throttles.steered``): its compiled gate then leaves
+    every call to catch().
     """
 
-    def __init__(self, enabled: bool, ttl: float, rank: Callable[[], Optional[int]]):
+    def __init__(self, enabled: bool, ttl: float, rank: Callable[[], Optional[int]],
+                 throttles: Optional[Throttles] = None):
         self.enabled = enabled
         self.ttl = ttl
         self._rank = rank
         self.active = False  # anything set or requested: catch() consults the table only then
+        self._throttles = throttles  # told of each change of active
         self._table = SettingsTable()
         # Replaced whole by writers, never changed in place: catch() reads them unlocked.
         self._settings: dict[Optional[str], Setting] = {}
@@ -311,6 +315,8 @@ class Overrides:
 
     def _refresh(self) -> None:
         self.active = bool(self._settings or self._requests)
+        if self._throttles is not None:
+            self._throttles.steered = self.active
 
     def _say_once(self, key: str, message: str) -> None:
         if key not in self._said:

@@ -99,8 +99,9 @@ cdef class Throttles:
     recently caught are forgotten, an eighth at a time, and their counting restarts), and
     the call sites of traced names, for the gate.
 
-    ``overrides`` is the client's table of what the REPL set: while it is ``active`` the
-    gate leaves every call to ``catch``. ``announced`` is the set of on-demand names this
+    ``steered`` says whether the REPL set anything for this client (its
+    ``Overrides.active``, which sets it): while it does, the gate leaves every call to
+    ``catch``. ``announced`` is the set of on-demand names this
     process's ``catch`` has dealt with already (told the REPL of, or found it need not):
     the gate answers an on-demand call of those only.
     """
@@ -109,13 +110,13 @@ cdef class Throttles:
     cdef Site _sites[SITES]
     cdef unsigned long long _clock
     cdef public Py_ssize_t max_names
-    cdef public object overrides
+    cdef public bint steered
     cdef public set announced
 
     def __init__(self, Py_ssize_t max_names=10_000):
         self._by_name = {}
         self.max_names = max_names
-        self.overrides = None
+        self.steered = False
         self.announced = None
 
     def __dealloc__(self):
@@ -127,12 +128,8 @@ cdef class Throttles:
     def __len__(self) -> int:
         return len(self._by_name)
 
-    def of(self, name, frame=None) -> Throttle:
-        """The throttle of ``name``, made if need be, and counted as its latest use.
-
-        ``frame``, for a traced name, is the frame of the code that called catch: its
-        next call from the same instruction is answered by the gate.
-        """
+    def of(self, name) -> Throttle:
+        """The throttle of ``name``, made if need be, and counted as its latest use."""
         cdef Throttle throttle = self._by_name.get(name)
         self._clock += 1
         if throttle is None:  # setdefault: another thread may have made it just now
@@ -141,12 +138,22 @@ cdef class Throttles:
             if len(self._by_name) > self.max_names:
                 self._forget_least_recent()
         throttle.used = self._clock
-        if frame is not None:
-            if not PyFrame_Check(frame):
-                raise TypeError(f"not a frame: {frame!r}")
-            self._remember(frame.f_code, thing_frame_lasti(<PyFrameObject *><void *>frame),
-                           throttle)
         return throttle
+
+    def remember(self, frame, Throttle throttle) -> bool:
+        """Remember that the call ``frame`` is making (of a traced name) counts under
+        ``throttle``: the gate answers the next calls from the same instruction. True if
+        the gate did not know that already."""
+        if not PyFrame_Check(frame):
+            raise TypeError(f"not a frame: {frame!r}")
+        code = frame.f_code
+        cdef int instruction = thing_frame_lasti(<PyFrameObject *><void *>frame)
+        cdef Site *site = &self._sites[_slot(<PyObject *>code, instruction)]
+        if (site.code == <PyObject *>code and site.instruction == instruction
+                and site.throttle == <PyObject *>throttle):
+            return False
+        self._remember(code, instruction, throttle)
+        return True
 
     cdef _forget_least_recent(self):
         # An eighth at a time: a job that makes up a new name at every step sorts the
@@ -194,10 +201,7 @@ cdef class Throttles:
         cdef PyObject *code
         cdef int instruction
         cdef Site *site
-        try:
-            if self.overrides is not None and self.overrides.active:
-                return NULL
-        except Exception:  # not an Overrides: catch decides
+        if self.steered:
             return NULL
         if name is None:
             frame = PyEval_GetFrame()

@@ -44,25 +44,22 @@ class Throttles:
     """Every name's :class:`Throttle`, at most ``max_names`` of them (beyond it the least
     recently caught are forgotten, an eighth at a time, and their counting restarts).
 
-    ``overrides`` and ``announced`` are kept for the compiled gate, which reads
-    them; here ``catch`` reads its own.
+    ``steered`` and ``announced`` are kept for the compiled gate, which reads
+    them; here ``catch`` reads what they mirror.
     """
 
     def __init__(self, max_names: int = 10_000) -> None:
         self._by_name: dict[Any, Throttle] = {}
         self._clock = 0
         self.max_names = max_names
-        self.overrides: Any = None
+        self.steered = False
         self.announced: Any = None
 
     def __len__(self) -> int:
         return len(self._by_name)
 
-    def of(self, name: Any, frame: Optional[types.FrameType] = None) -> Throttle:
-        """The throttle of ``name``, made if need be, and counted as its latest use.
-
-        ``frame`` (a traced name's caller) is for the compiled gate; unused here.
-        """
+    def of(self, name: Any) -> Throttle:
+        """The throttle of ``name``, made if need be, and counted as its latest use."""
         throttle = self._by_name.get(name)
         self._clock += 1
         if throttle is None:  # setdefault: another thread may have made it just now
@@ -80,6 +77,10 @@ class Throttles:
         for name, throttle in by_use[:len(by_use) - self.max_names + self.max_names // 8]:
             if self._by_name.get(name) is throttle:  # not made again meanwhile
                 del self._by_name[name]
+
+    def remember(self, frame: types.FrameType, throttle: Throttle) -> bool:
+        """For the compiled gate's call sites; there are none here."""
+        return False
 
     def forget_sites(self, code: Optional[types.CodeType] = None) -> None:
         """For the compiled gate's call sites; there are none here."""
