@@ -3,15 +3,15 @@
 A training loop calls ``thing.catch(w, every=100)`` at every step, and 99
 calls in 100 send nothing: such a call should cost about what an empty
 function call costs. ``gated(catch, throttles, skipped)`` wraps a catch
-function in a C function that answers those calls itself: it finds the
-name's :class:`Throttle` (by the name given, or, for a traced name, by the
-instruction that called: the Python path remembers it at each call of a
+function in a C function that answers those calls itself. It finds the
+name's :class:`Throttle`: by the name given, or, for a traced name, by the
+instruction that called (the Python path remembers it at each call of a
 traced name, and forgets it when the name tracer does, for traced again it
-may get another name), and when the counts say the call is not sent (or it is on demand, and
-the REPL was told of the name) it counts it and returns ``skipped``. Every
-other call (one to send, a name or site not seen yet, anything while the
-REPL steers, arguments of an unusual type) goes to ``catch``, which decides
-with the same counts. So the gate only ever gives
+may get another name). When the counts say the call is not sent (or it is
+on demand, and the REPL was told of the name), it counts it and returns
+``skipped``. Every other call (one to send, a name or site not seen yet,
+anything while the REPL steers, arguments of an unusual type) goes to
+``catch``, which decides with the same counts. So the gate only ever gives
 the answer ``catch`` would have given, sooner. The pure-Python twin
 (``throttles.py``) has no gate: ``catch`` answers every call.
 """
@@ -101,9 +101,9 @@ cdef class Throttles:
 
     ``steered`` says whether the REPL set anything for this client (its
     ``Overrides.active``, which sets it): while it does, the gate leaves every call to
-    ``catch``. ``announced`` is the set of on-demand names this
-    process's ``catch`` has dealt with already (told the REPL of, or found it need not):
-    the gate answers an on-demand call of those only.
+    ``catch``. ``announced`` is the set of on-demand names this process's ``catch`` has
+    dealt with already (told the REPL of, or found it need not): the gate answers an
+    on-demand call of those only.
     """
 
     cdef dict _by_name
