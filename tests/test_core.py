@@ -279,6 +279,24 @@ def test_sending_to_a_closed_peer_raises_with_errno(core, pair) -> None:
     assert isinstance(info.value, (BrokenPipeError, ConnectionResetError, OSError))
 
 
+@pytest.mark.parametrize("name", list(CORES))
+def test_a_peer_that_hung_up_never_kills_a_process_that_restored_sigpipe(name: str) -> None:
+    """Python ignores SIGPIPE, but a job may have put it back to its default (a CLI tool,
+    a launcher): sending to a peer that hung up must raise, not kill the job."""
+    out = run_script(f"""
+        import signal, socket
+        from thing._core import {CORES[name].__name__.rpartition(".")[2]} as core
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        left, right = socket.socketpair()
+        right.close()
+        try:
+            core.send_buffers(left, [b"x" * 1000])
+        except BrokenPipeError:
+            print("raised")
+    """)
+    assert out == "raised\n"
+
+
 def test_closed_socket_raises_os_error_with_errno(core, pair) -> None:
     left, _ = pair
     left.close()

@@ -172,15 +172,19 @@ def test_a_repeated_header_is_validated_once_and_each_frame_keeps_its_own_time(
         poll(lambda: server.store.received == 50, what="50 captures")
         connection = _connection(server)
         assert list(connection._headers) == [header]
-        # The same header bytes with a payload they do not describe: refused, not trusted.
-        peer.sendall(_frame(header, bytes(48), 50, 0.0))
+        # The same header bytes with a payload they do not describe: refused, not trusted,
+        # and read past (the prefix says where the frame ends): the next one is stored.
+        peer.sendall(_frame(header, bytes(48), 50, 0.0)
+                     + _frame(header, np.full(6, 50, np.float32).tobytes(), 51, 1050.0))
+        poll(lambda: server.store.received == 51, what="the frame after the refused one")
+        peer.shutdown(socket.SHUT_WR)
         reply = read_to_end(peer)
     captures = server.store.get_all("loss")
-    assert [float(c.value[0]) for c in captures] == list(range(50))
-    assert [c.caught_at for c in captures] == [1000.0 + i for i in range(50)]
+    assert [float(c.value[0]) for c in captures] == list(range(51))
+    assert [c.caught_at for c in captures] == [1000.0 + i for i in range(51)]
     assert all(c.call_site == "train.py:1 (step)" for c in captures)
     assert b"leaves describe 24 bytes but the payload holds 48" in reply
-    assert server.store.received == 50
+    assert server.store.received == 51
     # Gone with the connection: what the cache held is given back to the header budget.
     poll(lambda: server._header_budget._used == 0, what="the budget given back")
 

@@ -8,7 +8,9 @@ summary(), describe() and get() tell the user what went missing and why.
 from __future__ import annotations
 
 import json
+import socket
 
+import numpy as np
 import pytest
 
 import thing
@@ -108,3 +110,52 @@ def test_a_failed_capture_is_counted_once_with_no_server_to_tell() -> None:
     error, counts = out.strip().splitlines()
     assert error.startswith("not sent: cannot send an object of type object")
     assert counts == "{'failed': 1}"
+
+
+def test_a_capture_refused_for_its_header_costs_the_captures_after_it_nothing(
+        server: thing.Server) -> None:
+    """A header the server refuses for what it says (a name that is no str, or too long;
+    dict keys that collide) ends its own capture with the reason; the captures sent with it
+    are stored, on the same connection, and nothing is counted lost."""
+    out = run_script("""
+        import json, numpy as np, thing
+        client = thing.Client()
+        colliding = {i * ((1 << 61) - 1): 0 for i in range(9)}
+        handles = []
+        for index, (name, value) in enumerate([("a", np.float32([0])), (7, np.zeros(2)),
+                                               ("b", np.float32([1])), ("x" * 5000, 1.0),
+                                               ("c", np.float32([2])), ("d", colliding),
+                                               ("e", np.float32([3]))]):
+            handles.append(client.catch(value, name=name))
+        print(json.dumps([[handle.wait(10), handle.error] for handle in handles]))
+        print(json.dumps(client.undelivered))
+    """, server.port)
+    outcomes, undelivered = (json.loads(line) for line in out.splitlines())
+    for stored, error in outcomes[1::2]:
+        assert not stored and error.startswith("refused by the server: ")
+    assert "name is not a string" in outcomes[1][1] and "share one hash" in outcomes[5][1]
+    assert [stored for stored, _ in outcomes[0::2]] == [True] * 4
+    assert undelivered == {}
+    for index, name in enumerate("abce"):
+        assert server.store.get(name).value.tobytes() == np.float32([index]).tobytes()
+    assert server.info().dropped_transfers == 3
+
+
+def test_a_notice_that_finds_the_queue_full_is_not_counted_as_a_lost_capture() -> None:
+    """A notice carries no data: a capture that could not travel is counted once ("failed"),
+    and an on-demand name told of is no capture at all, even when the queue is full."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # never answers the handshake
+        out = run_script(f"""
+            import numpy as np, thing
+            client = thing.Client("127.0.0.1", {listener.getsockname()[1]}, max_queue_items=2)
+            for name in "ab":
+                client.catch(np.zeros(4), name=name)
+            print(client.catch(object(), name="bad").error)
+            print(client.undelivered)
+            client.catch(np.zeros(3), name="asked", on_demand=True)
+            print(client.undelivered)
+            client.close(0)
+        """, THING_TRANSPORT="tcp")
+    error, counts, after = out.splitlines()
+    assert error.startswith("not sent: cannot send an object of type object")
+    assert counts == after == "{'failed': 1}"

@@ -162,7 +162,8 @@ def catch(
     ``first=n`` only its first n. What arrives is the value at this call:
     arrays up to ``THING_SNAPSHOT_BYTES`` (64 KiB) are copied now, larger ones
     are read in place by the sender thread (a torch tensor changed in place
-    before that ends arrives marked ``consistent=False``); ``copy=True``
+    before that ends arrives marked ``consistent=False``, unless changed through
+    ``.data`` or a numpy view, which torch does not count); ``copy=True``
     copies every array now, ``copy=False`` none. ``block=True`` waits for
     room instead of dropping when the queue is full. ``step=global_step`` is
     the step the REPL shows and plots (default: the call number of the name,

@@ -131,6 +131,10 @@ def describe_leaf(obj: Any) -> Leaf | None:
         return None
     if isinstance(obj, np.void) and obj.dtype.names is not None:  # travels as a dict
         return None
+    masked = sys.modules.get("numpy.ma")  # loaded by whoever made one
+    if masked is not None and isinstance(obj, masked.MaskedArray):
+        raise UnsupportedType("cannot send a numpy masked array: its mask would be lost "
+                              "(catch its .filled(value), or its .data and .mask)")
     if isinstance(obj, (np.ndarray, np.generic)):
         return _numpy_leaf(obj)
     if isinstance(obj, (bytes, bytearray, memoryview)):

@@ -212,7 +212,7 @@ class Channel:
                 if pending.notice is None:
                     self._room.undelivered["no server"] += 1
                 return self.down_handle
-            if not self._room.take(nbytes, block):
+            if not self._room.take(nbytes, block, pending.notice is None):
                 return QUEUE_FULL
             if held:
                 return self._queue_up(pending)

@@ -190,7 +190,8 @@ class Client:
         captures. What arrives is the value at this call: arrays up to
         ``snapshot_bytes`` are copied now; larger ones are read in place by the
         sender thread, and a torch tensor changed in place before that ends is
-        marked ``consistent=False`` in the REPL. ``copy=True`` copies every
+        marked ``consistent=False`` in the REPL (not a change through ``.data``
+        or a numpy view, which torch does not count). ``copy=True`` copies every
         array now; ``copy=False`` copies none. ``block=True`` waits for room
         in a full queue instead of dropping. Every call of a name is numbered
         (from 1, throttled calls counted); ``step=`` (an int, e.g. the global

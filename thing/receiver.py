@@ -398,7 +398,10 @@ class Connection:
                     wire.check_payload_length(known.header, payload_len)
                 del raw_header
                 charge.reserve(payload_len)
-            except LimitExceeded as exc:
+            except ProtocolError as exc:
+                # A header refused for what it says (a name that is no str, dict keys that
+                # collide, a limit): read whole, so the stream is still in step, and the
+                # frames after it, the sender's other captures, must not pay for it.
                 return self._skip(payload_in_stream, signature, seq,
                                   None if known is None else known.name, exc)
             try:
@@ -521,7 +524,7 @@ class Connection:
         return wire.decode_trailer(bytes(trailer[:size]))
 
     def _skip(self, payload_bytes: int, signature: Any, seq: int, name: str | None,
-              why: LimitExceeded) -> bytes:
+              why: ProtocolError) -> bytes:
         """Read past a refused frame, so the connection and the frames after it go on."""
         what = "a capture" if name is None else repr(name)
         self.settings.warn(self.address, f"refused {what} from {self.address}: {why}")

@@ -33,10 +33,16 @@ class SendQueue:
         self.stored = 0  # captures the server acknowledged as stored
         self._last_drop_log = 0.0
 
-    def take(self, nbytes: int, block: bool) -> bool:
-        """Take room for one capture (the caller holds ``lock``); False if full and not blocking."""
+    def take(self, nbytes: int, block: bool, capture: bool = True) -> bool:
+        """Take room for one frame (the caller holds ``lock``); False if full and not blocking.
+
+        A notice (``capture=False``: no data, about a capture counted already, or an
+        on-demand name told of) that finds no room is not counted as a capture lost.
+        """
         while self.items >= self.max_items or (self.items and self.bytes + nbytes > self.max_bytes):
             if not block:
+                if not capture:
+                    return False
                 self.undelivered["queue full"] += 1
                 now = time.monotonic()
                 if now - self._last_drop_log > 5:

@@ -19,6 +19,9 @@ from typing import Any
 
 # Linux and macOS both cap one sendmsg/recvmsg at 1024 buffers.
 _IOV_MAX = 1024
+# A peer that hung up must raise BrokenPipeError, as in the compiled core, not send SIGPIPE,
+# which kills a process that left it at its default.
+_NO_SIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 MAX_DESCRIPTORS = 4
 _CONTROL_BYTES = socket.CMSG_SPACE(MAX_DESCRIPTORS * array.array("i").itemsize)
 
@@ -43,7 +46,7 @@ def _transfer(sock: socket.socket, buffers: Sequence, sending: bool) -> int:
         batch = pending[:_IOV_MAX]
         try:
             if sending:
-                moved = sock.sendmsg(batch)
+                moved = sock.sendmsg(batch, [], _NO_SIGNAL)
             else:
                 moved = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
         except BlockingIOError as exc:
