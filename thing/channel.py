@@ -448,7 +448,9 @@ class Channel:
                     self._queued_bytes -= sum(pending.payload.nbytes for _, pending in batch)
                 else:
                     self._send_now, self._queued_bytes = False, 0
-                undelivered = tuple(sorted(self._room.undelivered.items()))
+                # What the server did not see: it counted its own refusals.
+                undelivered = tuple(sorted(item for item in self._room.undelivered.items()
+                                           if item[0] != "refused"))
                 next_tick = time.monotonic() + TICK_SECONDS  # a tick from this batch, not its end
             self._send_batch(sock, mac, batch, undelivered)
 
@@ -678,7 +680,7 @@ class Channel:
                     finished.append((pending, capture_id, None, None))
                 else:
                     text = wire.printable(message.decode("utf-8", "replace"))
-                    finished.append((pending, None, f"refused by the server: {text}", None))
+                    finished.append((pending, None, f"refused by the server: {text}", "refused"))
             self._count(finished)
         _resolve(finished)
         if broken is not None:

@@ -305,7 +305,8 @@ class Client:
 
     @property
     def undelivered(self) -> dict[str, int]:
-        """Captures caught but not delivered, by reason; the REPL's summary() shows them too."""
+        """Captures caught but not delivered, by reason; the REPL's summary() shows them too
+        (``"refused"``, by the server, it counts itself)."""
         with self._lock:
             return dict(self._queue.undelivered)
 
