@@ -23,7 +23,7 @@ receiver keeps every message, in order, and the last one is checked bit-exact.
 - ``fan-in``: 32 client processes × 2,000 captures each (``block=True``) into
   one thing server, started together once all are connected; aggregate rate
   from that start to the last one's last acknowledgement, every capture counted.
-- ``server alone``: the server's side by itself: 50,000 ready-made frames of
+- ``server alone``: the server's side by itself: 50,000 (``--server-frames``) ready-made frames of
   the same capture (numbered, as a client numbers them) written by a raw
   socket as fast as it takes them, the acknowledgements read by another
   thread; frames/s and the server process's CPU per frame, for a server on
@@ -362,6 +362,8 @@ def main() -> int:
     parser.add_argument("--fan-in", action="store_true", help="only the fan-in row (as --paced)")
     parser.add_argument("--server", action="store_true",
                         help="only the server-alone rows (as --paced)")
+    parser.add_argument("--server-frames", type=int, default=50_000,
+                        help="frames per server-alone trial, all kept (a longer history)")
     args = parser.parse_args()
     count, trials = (5_000, 2) if args.quick else (args.count, args.trials)
     clients, each = (8, 500) if args.quick else (32, 2_000)
@@ -372,7 +374,7 @@ def main() -> int:
     if args.fan_in:
         return print_fan_in(clients, each)
     if args.server:
-        print_server_alone(trials)
+        print_server_alone(trials, args.server_frames)
         return 0
     size = frame_size()
     print(f"\n{count} captures of 4 float32 per trial, {trials} trials; thing's frame for one "
@@ -403,17 +405,17 @@ def main() -> int:
     print(f"\ncompiled core / pure-Python twin, small captures: "
           f"{median(rates['thing']) / twin:.2f}x")
     all_stored = print_fan_in(clients, each) == 0
-    print_server_alone(trials)
+    print_server_alone(trials, args.server_frames)
     print_paced(args.quick)
     return 0 if all_stored else 1
 
 
-def print_server_alone(trials: int) -> None:
+def print_server_alone(trials: int, frames: int) -> None:
     """The server alone, compiled core and twin, trials interleaved; medians and their ratio."""
     runs: dict[str, list[tuple[float, float]]] = {"compiled core": [], "pure-Python twin": []}
     for _ in range(trials):
-        runs["compiled core"].append(server_alone(50_000))
-        runs["pure-Python twin"].append(server_alone(50_000, THING_PUREPYTHON="1"))
+        runs["compiled core"].append(server_alone(frames))
+        runs["pure-Python twin"].append(server_alone(frames, THING_PUREPYTHON="1"))
     rates = {}
     for core, alone in runs.items():
         rates[core] = median([rate for rate, _ in alone])

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ._core import untrack
 from .array_stats import ArrayStats, array_stats, as_float64, value_histogram
 from .display import say_once
 from .errors import UnknownName
@@ -62,7 +63,8 @@ def capture_stats(capture: Capture) -> CaptureStats:
     """The statistics of a capture of one array or number, worked out once and kept on it."""
     known = capture.stats
     if known is None:
-        known = capture.stats = CaptureStats(_values_of(capture))
+        # Kept as long as the capture, out of the collector's walks as it is (see untrack).
+        known = capture.stats = untrack(CaptureStats(untrack(_values_of(capture))))
     return known
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import config
+from ._core import untrack
 from .arrays import CARRIER_DTYPES, LeafSpec, leaf_bytes
 from .errors import LimitExceeded, UnknownName
 from .names import identifier_for
@@ -470,6 +471,7 @@ class HistoryStore:
 
     def _insert(self, capture: Capture, charge: int) -> None:
         """Hold a new capture (its id not yet used) as the newest; the caller holds the lock."""
+        untrack(capture)  # hours of history must not be walked by every full collection
         self._next_id = capture.id + 1
         self._held += charge
         self._charged[capture.id] = charge

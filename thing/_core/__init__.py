@@ -15,7 +15,7 @@ import os
 
 # What both cores provide, and this package takes from the one it chose.
 _MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "copy_into", "recv_buffers", "recv_some",
-           "send_buffers", "split_small_frames", "split_stored_acks")
+           "send_buffers", "split_small_frames", "split_stored_acks", "untrack")
 _THROTTLES = ("Throttle", "Throttles", "gated")
 
 
@@ -67,6 +67,7 @@ recv_some = _movers.recv_some
 send_buffers = _movers.send_buffers
 split_small_frames = _movers.split_small_frames
 split_stored_acks = _movers.split_stored_acks
+untrack = _movers.untrack
 Throttle = _throttles.Throttle
 Throttles = _throttles.Throttles
 gated = _throttles.gated

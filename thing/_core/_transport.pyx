@@ -12,6 +12,9 @@ The socket must be in blocking mode; timeouts come from ``SO_SNDTIMEO`` /
 ``split_stored_acks`` splits a burst of the server's "stored" acknowledgements,
 and ``split_small_frames`` a run of a client's small frames, in one call each,
 on the bytes one receive brought: reading many small messages per system call.
+
+``untrack`` takes what the server keeps for hours out of the cyclic garbage
+collector's lists, which pure Python cannot do.
 """
 
 from cpython.buffer cimport (
@@ -25,6 +28,7 @@ from cpython.bytearray cimport PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.object cimport PyObject
 from libc.errno cimport EAGAIN, ECONNRESET, EINTR, EMSGSIZE, errno
 from libc.limits cimport LLONG_MIN
 from libc.string cimport memcmp, memcpy, memset, strerror
@@ -396,6 +400,29 @@ def copy_into(destination, source) -> int:
             PyBuffer_Release(&src)
     finally:
         PyBuffer_Release(&dst)
+
+
+cdef extern from "Python.h":
+    int PyObject_IS_GC(PyObject *obj)
+    void PyObject_GC_UnTrack(void *obj)
+
+
+def untrack(obj):
+    """Take ``obj`` out of the cyclic garbage collector's lists and return it.
+
+    Every full collection walks every object the collector tracks, and the
+    REPL's history holds one or more per capture: with hours of captures, each
+    collection held the GIL for a long pause of the user's REPL (and took a
+    fifth of the server's time in a flood of small captures). Reference
+    counting still frees an untracked object, and the objects it refers to
+    stay tracked, so nothing is freed early; only a reference cycle through
+    it would never be collected. So this is for objects that cannot be in
+    one: the store's captures and their statistics, which refer to what came
+    off the wire, never back.
+    """
+    if PyObject_IS_GC(<PyObject *>obj):
+        PyObject_GC_UnTrack(<PyObject *>obj)
+    return obj
 
 
 cdef extern from "<sys/mman.h>":

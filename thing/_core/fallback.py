@@ -168,6 +168,12 @@ def copy_into(destination: object, source: object) -> int:
     return src.nbytes
 
 
+def untrack(obj: object) -> object:
+    """``obj`` itself: pure Python cannot take an object out of the cyclic garbage
+    collector's lists, so a server on the twin has each full collection walk its history."""
+    return obj
+
+
 def PrivateMapping(fd: int, size: int) -> mmap.mmap:  # noqa: N802 - the compiled one is a class
     """``size`` bytes of ``fd`` as a writable buffer that keeps no descriptor.
 
