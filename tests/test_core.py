@@ -279,6 +279,7 @@ def test_sending_to_a_closed_peer_raises_with_errno(core, pair) -> None:
     assert isinstance(info.value, (BrokenPipeError, ConnectionResetError, OSError))
 
 
+@pytest.mark.skipif(not hasattr(socket, "MSG_NOSIGNAL"), reason="no MSG_NOSIGNAL here")
 @pytest.mark.parametrize("name", list(CORES))
 def test_a_peer_that_hung_up_never_kills_a_process_that_restored_sigpipe(name: str) -> None:
     """Python ignores SIGPIPE, but a job may have put it back to its default (a CLI tool,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import socket
 import threading
@@ -187,6 +188,26 @@ def test_a_repeated_header_is_validated_once_and_each_frame_keeps_its_own_time(
     assert server.store.received == 51
     # Gone with the connection: what the cache held is given back to the header budget.
     poll(lambda: server._header_budget._used == 0, what="the budget given back")
+
+
+def test_a_refused_header_holds_no_budget_while_its_payload_is_discarded(
+        server: thing.Server, caplog: pytest.LogCaptureFixture) -> None:
+    """A header refused for what it says (a name that is no str) gives its share of the
+    budget all connections share back before the payload it announced is read past: a peer
+    that trickles that payload holds nothing meanwhile."""
+    caplog.set_level(logging.DEBUG, logger="thing")
+    payload = bytes(1 << 20)
+    frame = _frame(wire.encode_header(7, wire.take_apart(payload), {}), payload, 0, 0.0)
+    cut = len(frame) - len(payload) // 2
+    with raw_peer(server.port) as peer:
+        peer.sendall(frame[:cut])
+        poll(lambda: "refused a capture" in caplog.text, what="the refusal")
+        assert server._header_budget._used == 0
+        after = np.float32([1.5])
+        peer.sendall(frame[cut:] + _frame(wire.encode_header("after", wire.take_apart(after), {}),
+                                          after.tobytes(), 1, 0.0))
+        poll(lambda: server.store.received == 1, what="the frame after it")
+    assert server.get("after").tobytes() == after.tobytes()
 
 
 def test_the_header_cache_of_a_connection_is_bounded(server: thing.Server) -> None:

@@ -10,7 +10,12 @@ class UnsupportedType(ThingError, TypeError):
 
 
 class ProtocolError(ThingError):
-    """A peer sent bytes that are not a valid thing frame; the connection is closed."""
+    """A peer sent bytes that are not a valid thing frame.
+
+    A frame whose header, read whole, is refused is read past; one the reader
+    cannot follow (a bad prefix or trailer, a signature that fails) closes the
+    connection.
+    """
 
 
 class HandshakeError(ProtocolError):

@@ -7,9 +7,10 @@ has validated, discarding what it refuses, and the batch of acknowledgements
 still to be sent.
 
 Every frame gets exactly one acknowledgement, in frame order: stored with
-its id, or refused with its own reason. A frame refused for its size or for
-a limit is read past and the connection stays up; a malformed one ends the
-connection. Either way, and whenever the connection ends, the
+its id, or refused with its own reason. A frame refused for its size, for a
+limit or for what its header (read whole) says is read past and the
+connection stays up; one the reader cannot follow (a bad prefix or trailer,
+a signature that fails) ends the connection. Either way, and whenever the connection ends, the
 acknowledgements of frames already stored are sent first: a client is never
 told that a capture the server kept was lost.
 """
@@ -402,6 +403,7 @@ class Connection:
                 # A header refused for what it says (a name that is no str, dict keys that
                 # collide, a limit): read whole, so the stream is still in step, and the
                 # frames after it, the sender's other captures, must not pay for it.
+                charge.release_header()  # not held while its payload is discarded
                 return self._skip(payload_in_stream, signature, seq,
                                   None if known is None else known.name, exc)
             try:
@@ -720,12 +722,17 @@ class _Charge:
     def __exit__(self, *exc_info: object) -> None:
         if self.reserved or self.filled:
             self.store.release(self.reserved, self.filled)
-        if self.header:
-            self.header_budget.give_back(self.header)
+        self.release_header()
 
     def hold_header(self, nbytes: int) -> None:
         self.header_budget.take(nbytes)
         self.header = nbytes
+
+    def release_header(self) -> None:
+        """Give the header's share of the budget back (a refused frame's, before its discard)."""
+        if self.header:
+            self.header_budget.give_back(self.header)
+            self.header = 0
 
     def reserve(self, nbytes: int) -> None:
         self.store.reserve(nbytes)

@@ -9,7 +9,8 @@ from collections import Counter
 
 log = logging.getLogger("thing")
 
-# Why captures were not delivered, as the client counts them (see Client.undelivered).
+# Why captures were not delivered, as the client tells the server (Client.undelivered also
+# counts "refused": the server's own refusals, which it counted itself).
 NOT_DELIVERED_REASONS = ("no server", "queue full", "failed", "lost", "closed")
 
 
@@ -18,8 +19,8 @@ class SendQueue:
 
     ``lock`` is the one condition every channel of the client uses, on ``mutex``:
     holding the mutex is holding the condition, and costs less to take.
-    ``undelivered`` counts captures that were not delivered, by reason; it
-    travels with every frame so the REPL sees them too.
+    ``undelivered`` counts captures that were not delivered, by reason; all
+    but the server's own refusals travel with every frame so the REPL sees them too.
     """
 
     def __init__(self, max_bytes: int, max_items: int):
