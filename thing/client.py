@@ -187,7 +187,8 @@ class Client:
 
         ``name`` defaults to the source text of the argument. ``every=n`` sends
         the 1st, (1+n)th, ... call of a name; ``first=n`` only its first n sent
-        captures. What arrives is the value at this call: arrays up to
+        captures (one let through that then found no server, or no room,
+        counts). What arrives is the value at this call: arrays up to
         ``snapshot_bytes`` are copied now; larger ones are read in place by the
         sender thread, and a torch tensor changed in place before that ends is
         marked ``consistent=False`` in the REPL (not a change through ``.data``
