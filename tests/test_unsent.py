@@ -160,3 +160,18 @@ def test_a_notice_that_finds_the_queue_full_is_not_counted_as_a_lost_capture() -
     error, counts, after = out.splitlines()
     assert error.startswith("not sent: cannot send an object of type object")
     assert counts == after == "{'failed': 1}"
+
+
+def test_first_counts_what_it_let_through_even_when_no_server_listens() -> None:
+    """first=n is about the job's first calls: those it let through count though no server
+    took them, and each is counted where the user looks."""
+    out = run_script("""
+        import thing
+        client = thing.Client("127.0.0.1", 1)  # nothing listens on port 1
+        handles = [client.catch(1.5, name="w", first=2) for _ in range(3)]
+        print([handle.wait(10) for handle in handles], handles[2].error)
+        print(client.undelivered)
+    """)
+    outcomes, counts = out.strip().splitlines()
+    assert outcomes == "[False, False, False] skipped by every=/first="
+    assert counts == "{'no server': 2}"
