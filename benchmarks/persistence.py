@@ -45,7 +45,8 @@ from typing import Any, Callable
 import numpy as np
 from _common import REPO, child_env, median, print_machine
 
-from thing.store import HistoryStore, Sender
+from thing.captures import Sender
+from thing.store import HistoryStore
 
 SMALL, LARGE, LARGE_BYTES = 1000, 10, 256 << 20
 

@@ -134,11 +134,11 @@ def test_the_repl_warns_about_each_inconsistent_capture_it_returns(
         server: thing.Server, caplog: pytest.LogCaptureFixture) -> None:
     server.store.reserve(4)
     server.store.fill(4)
-    server.store.add("w", np.zeros(1, np.float32), (), 4, thing.store.Sender("x:1"),
+    server.store.add("w", np.zeros(1, np.float32), (), 4, thing.captures.Sender("x:1"),
                      consistent=False)
     server.store.reserve(4)
     server.store.fill(4)
-    server.store.add("w", np.ones(1, np.float32), (), 4, thing.store.Sender("x:1"))
+    server.store.add("w", np.ones(1, np.float32), (), 4, thing.captures.Sender("x:1"))
     with caplog.at_level(logging.WARNING, logger="thing"):
         server.get("w", index=1)
         server.get_all("w")

@@ -18,8 +18,9 @@ import pytest
 
 import thing
 from thing.arrays import LeafSpec
+from thing.captures import Sender
 from thing.history_stats import COLUMNS, StatsTable, capture_stats, stats_table
-from thing.store import HistoryStore, Sender
+from thing.store import HistoryStore
 
 from .conftest import poll, run_script
 

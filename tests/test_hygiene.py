@@ -43,9 +43,9 @@ def test_a_training_job_loads_only_the_sending_side(server) -> None:
                                 "thing.config", "thing.errors", "thing.handles", "thing.names",
                                 "thing.run_names"]
     # Catching loads the sending side, never the server, the store or the REPL's.
-    receiving = {"thing.server", "thing.store", "thing.receiver", "thing.repl", "thing.reports",
-                 "thing.display", "thing.live", "thing.ingest", "thing.array_stats",
-                 "thing.buffers", "thing.plot_series", "thing.plot_drawing"}
+    receiving = {"thing.server", "thing.store", "thing.captures", "thing.receiver", "thing.repl",
+                 "thing.reports", "thing.display", "thing.live", "thing.ingest",
+                 "thing.array_stats", "thing.buffers", "thing.plot_series", "thing.plot_drawing"}
     assert not receiving & set(sent.split()), sent
     assert "thing.channel" in sent.split()
 

@@ -23,9 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import thing
+from thing.captures import Capture, Sender
 from thing.errors import BadRecording, ThingError
 from thing.recording import segment_path, segments_of
-from thing.store import Capture, HistoryStore, Sender
+from thing.store import HistoryStore
 
 from .conftest import run_script
 

@@ -22,7 +22,8 @@ import thing.live
 import thing.repl
 import thing.reports
 from thing.arrays import LeafSpec
-from thing.store import RECORD_BYTES, HistoryStore, Sender
+from thing.captures import Sender
+from thing.store import RECORD_BYTES, HistoryStore
 
 from .conftest import run_script, script_env, start_script
 

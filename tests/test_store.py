@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from thing.arrays import LeafSpec
+from thing.captures import Sender
 from thing.errors import LimitExceeded
-from thing.store import RECORD_BYTES, HistoryStore, Sender
+from thing.store import RECORD_BYTES, HistoryStore
 
 SENDER = Sender("127.0.0.1:1", "host", 1)
 

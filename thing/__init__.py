@@ -35,6 +35,7 @@ from .errors import (
 from .handles import SKIPPED
 
 if TYPE_CHECKING:
+    from .captures import Capture
     from .repl import (
         available,
         clear,
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
     )
     from .repl import help as help
     from .server import Server
-    from .store import Capture, HistoryStore
+    from .store import HistoryStore
 
 # The receiving side loads on first use: a training job that only catches never imports
 # the server, the store or the REPL (nor what they import), so `import thing` stays cheap.
@@ -71,7 +72,7 @@ _ON_FIRST_USE = {
                      "hist", "request", "every", "first", "pause", "resume", "reset",
                      "available"), "repl"),
     "Server": "server",
-    "Capture": "store",
+    "Capture": "captures",
     "HistoryStore": "store",
 }
 

@@ -30,9 +30,10 @@ import numpy as np
 
 from ._core import untrack
 from .array_stats import ArrayStats, array_stats, as_float64, value_histogram
+from .captures import Capture
 from .display import say_once
 from .errors import UnknownName
-from .store import Capture, HistoryStore
+from .store import HistoryStore
 
 log = logging.getLogger("thing")
 

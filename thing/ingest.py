@@ -16,10 +16,11 @@ import sys
 import types
 from typing import Any
 
+from .captures import value_of
 from .display import Fields, Report
 from .errors import ProtocolError, UnknownName
 from .names import identifier_for
-from .store import HistoryStore, value_of
+from .store import HistoryStore
 
 
 class Ingested(dict):

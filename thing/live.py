@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .captures import Capture
 from .display import Column, Report, Table, elide, in_notebook, say, terminal_width
 from .reports import bytes_text, clock, flag, rank_text, row_kind, sender_text
-from .store import Capture, HistoryStore
+from .store import HistoryStore
 
 if TYPE_CHECKING:
     from .server import ServerInfo

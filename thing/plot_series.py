@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from .captures import Capture
 from .history_stats import (
     capture_histogram,
     capture_stats,
@@ -28,7 +29,7 @@ from .history_stats import (
     top_singular_value,
 )
 from .reports import is_container, kind
-from .store import ALL_RUNS, Capture, HistoryStore
+from .store import ALL_RUNS, HistoryStore
 
 # What each stat draws, as its panel's title says it.
 STAT_TITLES = {

@@ -37,12 +37,13 @@ from . import auth, shm, wire
 from ._core import send_buffers
 from .arrays import CARRIER_DTYPES, LeafSpec
 from .buffers import ReceiveBuffers
+from .captures import Capture, Sender
 from .channel import SMALL_BYTES
 from .errors import HandshakeError, LimitExceeded, ProtocolError
 from .run_names import MAX_RUN_NAME
 from .send_queue import NOT_DELIVERED_REASONS
 from .sockets import set_timeouts
-from .store import Announcement, Capture, HistoryStore, Sender, UnsentNotice
+from .store import Announcement, HistoryStore, UnsentNotice
 from .stream import StreamReader
 
 log = logging.getLogger("thing")

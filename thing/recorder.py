@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional
 
+from .captures import Capture
 from .errors import ThingError
 from .recording import TEMPORARY_NAME, PathLike, segment_path, segments_of
 from .segments import commit, write_segment, write_unflushed
-from .store import Capture, HistoryStore
+from .store import HistoryStore
 
 log = logging.getLogger("thing")
 

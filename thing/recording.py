@@ -16,9 +16,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Union
 
+from .captures import Sender
 from .errors import BadRecording, ThingError
 from .segments import KnownHeaders, Segment, read_segment, write_segment
-from .store import ALL_RUNS, HistoryStore, Sender
+from .store import ALL_RUNS, HistoryStore
 
 log = logging.getLogger("thing")
 

@@ -18,9 +18,10 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from .captures import value_of
 from .errors import NotServing, ThingError, UnknownName
 from .server import Server
-from .store import Announcement, HistoryStore, Run, value_of
+from .store import Announcement, HistoryStore, Run
 
 log = logging.getLogger("thing")
 

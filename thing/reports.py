@@ -19,9 +19,10 @@ import numpy as np
 
 from .array_stats import ArrayStats, array_stats
 from .arrays import is_array, sparse_parts
+from .captures import Capture, Sender
 from .display import Column, Entries, Fields, Report, Table
 from .errors import ProtocolError, UnknownName
-from .store import Announcement, Capture, HistoryStore, Sender, UnsentNotice
+from .store import Announcement, HistoryStore, UnsentNotice
 
 if TYPE_CHECKING:
     from .server import ServerInfo

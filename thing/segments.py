@@ -35,10 +35,10 @@ import numpy as np
 
 from . import wire
 from .arrays import CARRIER_DTYPES, LeafSpec
+from .captures import Capture, Sender
 from .errors import BadRecording, ProtocolError
 from .receiver import KnownHeader
 from .run_names import MAX_RUN_NAME
-from .store import Capture, Sender
 
 log = logging.getLogger("thing")
 

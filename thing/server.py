@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import auth, config, receiver, wire
 from .buffers import ReceiveBuffers
+from .captures import Capture, Sender, value_of
 from .errors import HandshakeError, ProtocolError
 from .history_stats import StatsWorker
 from .overrides import Statement
@@ -35,7 +36,7 @@ from .sockets import (
     unix_socket_path,
 )
 from .steering import Steering
-from .store import Announcement, Capture, HistoryStore, Run, Sender, value_of
+from .store import Announcement, HistoryStore, Run
 
 if TYPE_CHECKING:
     from .recorder import Recorder
