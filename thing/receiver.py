@@ -10,9 +10,9 @@ Every frame gets exactly one acknowledgement, in frame order: stored with
 its id, or refused with its own reason. A frame refused for its size, for a
 limit or for what its header (read whole) says is read past and the
 connection stays up; one the reader cannot follow (a bad prefix or trailer,
-a signature that fails) ends the connection. Either way, and whenever the connection ends, the
-acknowledgements of frames already stored are sent first: a client is never
-told that a capture the server kept was lost.
+a signature that fails) ends the connection. Either way, and whenever the
+connection ends, the acknowledgements of frames already stored are sent
+first: a client is never told that a capture the server kept was lost.
 """
 
 from __future__ import annotations
