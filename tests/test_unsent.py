@@ -175,3 +175,30 @@ def test_first_counts_what_it_let_through_even_when_no_server_listens() -> None:
     outcomes, counts = out.strip().splitlines()
     assert outcomes == "[False, False, False] skipped by every=/first="
     assert counts == "{'no server': 2}"
+
+
+@pytest.mark.parametrize("variable", [{"THING_SERVER": "localhost:28750x"},
+                                      {"THING_SERVER": "localhost:99999"}])
+def test_a_server_address_that_is_no_address_never_stops_the_job(variable: dict) -> None:
+    """thing.catch never raises: a typo in THING_SERVER is said once, in the log and in
+    every handle, and the job goes on."""
+    result = run_script("""
+        import logging, thing
+        logging.basicConfig()  # where the job's log goes
+        handles = [thing.catch(1.5, name="loss") for _ in range(3)]
+        print(handles[-1].error)
+    """, full=True, **variable)
+    assert result.stdout.startswith("not sent: ") and "port" in result.stdout
+    assert result.stderr.count("thing.catch cannot send anything") == 1
+
+
+def test_a_number_that_is_no_finite_number_is_ignored_with_a_warning(server: thing.Server
+                                                                     ) -> None:
+    result = run_script("""
+        import logging, thing
+        logging.basicConfig()  # where the job's log goes
+        print(thing.catch(1.5, name="loss").wait(10))
+    """, server.port, full=True, THING_QUEUE_ITEMS="inf", THING_QUEUE_BYTES="nan")
+    assert result.stdout == "True\n"
+    assert "ignoring THING_QUEUE_ITEMS='inf'" in result.stderr
+    assert "ignoring THING_QUEUE_BYTES='nan'" in result.stderr

@@ -174,7 +174,12 @@ def catch(
     ``THING_CONTROL=0`` refuses that. Returns a handle whose ``wait()`` is True once the
     server stored it; ``error`` says why not.
     """
-    client = _default_client or _make_default_client()
+    client = _default_client
+    if client is None:
+        try:
+            client = _make_default_client()
+        except Exception as exc:  # a typo in THING_SERVER must not stop a training job
+            return _cannot_send(exc)
     return Client.catch(  # the class's: this call already went through the gate below
         client,
         obj,
@@ -194,6 +199,21 @@ def catch(
 # skip are answered by the compiled core before any Python runs (thing/_core/_throttles.pyx).
 _default_throttles = _core.Throttles()
 catch = _core.gated(catch, _default_throttles, SKIPPED)
+
+
+_said_cannot_send = False
+
+
+def _cannot_send(exc: Exception) -> CaptureHandle:
+    """What ``catch`` returns while the default client cannot be made (``THING_SERVER`` that
+    is no address): the reason, in the handle and once in the log. Tried again at each call,
+    so a job that fixes its environment starts sending."""
+    global _said_cannot_send
+    reason = f"not sent: {exc}"
+    if not _said_cannot_send:
+        _said_cannot_send = True
+        logging.getLogger("thing").warning("thing.catch cannot send anything: %s", exc)
+    return CaptureHandle(None, reason)
 
 
 def _make_default_client() -> Client:

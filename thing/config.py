@@ -7,6 +7,7 @@ or a notebook can change a variable and then create a client or a server.
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 DEFAULT_PORT = 2875
@@ -23,11 +24,14 @@ def _env_float(name: str, default: float) -> float:
     if not raw:
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
         # A typo in a variable must not stop a training job: say so and go on.
         _log.warning("ignoring %s=%r: not a number; using %s", name, raw, default)
         return default
+    return value
 
 
 def server_address() -> tuple[str, int]:
