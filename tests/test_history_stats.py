@@ -231,3 +231,21 @@ def test_a_few_values_are_described_as_the_chunked_loop_describes_them(value) ->
         ours, loops = getattr(few, field), getattr(chunked, field)
         assert type(ours) is type(loops), field
         assert ours == loops or math.isclose(ours, loops, rel_tol=1e-12, abs_tol=1e-300), field
+
+
+def test_numbers_that_travel_in_the_header_keep_their_magnitude_and_exactness(
+        server: thing.Server) -> None:
+    """A float near float64's limits is finite, with its sign; an int of 64 bits stays exact,
+    as in an integer array; a larger one is the float it rounds to, or its sign's infinity."""
+    values = [1.5e308, -1.5e308, 2**62 + 1, 2**64 - 1, -(2**63), 10**30, -(10**400), True]
+    run_script(f"""
+        import thing
+        for value in {values!r}:
+            assert thing.catch(value, name="n", block=True).wait(10)
+    """, server.port)
+    described = [capture_stats(capture).values for capture in server.store.get_all("n")]
+    assert [(stats.min, stats.max, stats.inf, stats.nan) for stats in described] == [
+        (1.5e308, 1.5e308, 0, 0), (-1.5e308, -1.5e308, 0, 0), (2**62 + 1, 2**62 + 1, 0, 0),
+        (2**64 - 1, 2**64 - 1, 0, 0), (-(2**63), -(2**63), 0, 0), (1e30, 1e30, 0, 0),
+        (None, None, 1, 0), (1.0, 1.0, 0, 0)]
+    assert [type(stats.min) for stats in described[2:5]] == [int, int, int]

@@ -79,8 +79,20 @@ def _values_of(capture: Capture) -> Optional[ArrayStats]:
     if parts.specs or not is_header_number(tree):
         return None
     if isinstance(tree, (bool, int, float)):
-        return array_stats(np.array(float(tree) if abs(tree) < 1e308 else math.inf))
+        return array_stats(_header_number(tree))
     return array_stats(np.array(capture.value))
+
+
+def _header_number(number: bool | int | float) -> np.ndarray:
+    """A number that travelled in the header, as an array: an int that fits 64 bits exact (as
+    in an integer array), a larger one as the float it rounds to (its sign's infinity
+    beyond float64), a bool as 0.0 or 1.0."""
+    if type(number) is int and -(1 << 63) <= number < 1 << 64:
+        return np.array(number)
+    try:
+        return np.array(float(number))
+    except OverflowError:
+        return np.array(math.inf if number > 0 else -math.inf)
 
 
 def is_header_number(tree: Any) -> bool:
