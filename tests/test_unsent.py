@@ -202,3 +202,26 @@ def test_a_number_that_is_no_finite_number_is_ignored_with_a_warning(server: thi
     assert result.stdout == "True\n"
     assert "ignoring THING_QUEUE_ITEMS='inf'" in result.stderr
     assert "ignoring THING_QUEUE_BYTES='nan'" in result.stderr
+
+
+def test_a_capture_that_fails_on_the_sender_thread_is_told_to_the_repl_too(
+        server: thing.Server) -> None:
+    """An int too long for the header's JSON fails only when the sender encodes it: its
+    handle says why, and the REPL hears of it as of one that failed at the call."""
+    out = run_script("""
+        import numpy as np, thing
+        huge = thing.catch(10 ** 5000, name="huge")
+        print(huge.wait(10), huge.error)
+        print(thing.catch({"w": np.float32([1.5]), "n": 10 ** 5000}, name="nested").wait(10))
+        assert thing.catch(1.5, name="fine").wait(10)
+    """, server.port)
+    waited, error = out.splitlines()[0].split(" ", 1)
+    assert waited == "False" and error.startswith("not sent: could not read the data: ")
+    assert out.splitlines()[1] == "False"
+    notices = {notice.name: notice for notice in server.store.unsent()}
+    assert (notices["huge"].type_name, notices["nested"].type_name) == ("int", "dict")
+    assert f"not sent: {notices['huge'].reason}" == error
+    assert notices["huge"].call_site.startswith("<string>:")
+    with pytest.raises(KeyError, match=r"nothing named 'huge' arrived: its sender could not"):
+        server.get("huge")
+    assert server.get("fine") == 1.5

@@ -176,8 +176,9 @@ class Channel:
             self._enqueue(notice._replace(handle=CaptureHandle(notice.name)), False, False, 0)
 
     def tell_unsent(self, name: str | None, site: CallSite | None,
-                    rank: tuple[int | None, int | None], obj: Any, reason: str) -> None:
-        """Queue a notice (no data) that a capture of ``obj`` could not be sent, and why.
+                    rank: tuple[int | None, int | None], kind: str, reason: str) -> None:
+        """Queue a notice (no data) that a capture of type ``kind`` (``wire.type_name``)
+        could not be sent, and why.
 
         Once per name and reason on each connection (a server that restarted hears
         again), and only to a server that said it takes notices: an older one would
@@ -190,7 +191,7 @@ class Channel:
                 return
         notice = Pending(name, wire.Payload(None, [], 0), site, time.time(), rank,
                          CaptureHandle(name),
-                         {"unsent": {"type": wire.type_name(obj), "reason": reason}})
+                         {"unsent": {"type": kind, "reason": reason}})
         if self._enqueue(notice, False, False, 0) is notice.handle:
             with self._mutex:
                 told.add((name, reason))
@@ -579,9 +580,13 @@ class Channel:
             views = [leaf_bytes(leaf) for leaf in payload.leaves]
             header = self._headers.encode(pending, undelivered)
         except Exception as exc:  # a leaf that cannot be read: fail this capture only
-            self._finish(seq, None, f"not sent: could not read the data: {exc}", "failed")
+            reason = f"could not read the data: {exc}"
+            self._finish(seq, None, f"not sent: {reason}", "failed")
             self._log_once(f"send:{pending.name}", logging.WARNING,
                            "thing could not send %r: %s", pending.name, exc)
+            # The REPL hears of it as of a capture that failed at the call.
+            self.tell_unsent(pending.name, pending.site, pending.rank,
+                             frames.caught_type(payload), reason)
             return None
         prefix = wire.encode_prefix(header, payload.nbytes, seq, pending.caught_at,
                                     call=pending.call, step=pending.step)

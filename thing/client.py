@@ -270,10 +270,12 @@ class Client:
                      obj: Any, reason: str) -> None:
         """Tell the server (no data) that a capture could not be sent, so that the REPL can
         say what went missing and why; see :meth:`Channel.tell_unsent`."""
+        from .wire import type_name  # loaded with the first channel
+
         try:
             channel = self._channels.get(server)
             if channel is not None:
-                channel.tell_unsent(name, site, self._rank.read(), obj, reason)
+                channel.tell_unsent(name, site, self._rank.read(), type_name(obj), reason)
         except Exception as exc:  # still catch(): never raises
             log.debug("could not tell the server about %r: %s", name, exc)
 
