@@ -137,6 +137,34 @@ def test_an_on_demand_name_sends_nothing_until_requested(server: thing.Server,
     assert calls_of(server, "attn_probs") == [21, 22, 23]  # and nothing more
 
 
+def test_a_name_is_steered_by_its_identifier_as_it_is_read_by_it(server: thing.Server,
+                                                                  jobs: list[Job]) -> None:
+    """get("layer_0") finds "layer[0]", and so does every steering function: the job is told
+    the name itself. An identifier nothing here has is sent as it is (a job may not have
+    caught it yet); one that stands for several names is refused, as get() refuses it."""
+    jobs.append(job := Job(server.port))
+    job.catch("layer[0]", 2)
+    job.catch("probe[1]", 5, on_demand=True)
+    assert server.request("probe_1", count=2) == 1
+    job.sync()
+    job.catch("probe[1]", 5, on_demand=True)
+    assert calls_of(server, "probe[1]") == [6, 7]
+    server.pause("layer_0")
+    job.sync()
+    job.catch("layer[0]", 3)
+    assert calls_of(server, "layer[0]") == [1, 2]
+    assert "layer[0]" in job.run("settings")
+    server.reset("layer_0")
+    job.sync()
+    job.catch("layer[0]", 1)
+    assert calls_of(server, "layer[0]") == [1, 2, 6]
+    server.every("not_seen_yet", 3)
+    assert "not_seen_yet" in job.run("settings")
+    job.catch("layer(0)", 1)  # the same identifier as layer[0]
+    with pytest.raises(KeyError, match="stands for several names"):
+        server.pause("layer_0")
+
+
 def test_a_forked_child_keeps_the_settings_but_not_the_requests(server: thing.Server,
                                                                 jobs: list[Job]) -> None:
     jobs.append(job := Job(server.port))

@@ -278,28 +278,34 @@ class Server:
     def request(self, name: str, count: int = 1, rank: int | None = None) -> int:
         """Make the next ``count`` calls of ``name`` send (see ``thing.request``); returns how
         many connected clients were told."""
-        return self.steering.apply("request", name, rank, _positive(count, "count"))
+        return self._steer("request", name, rank, _positive(count, "count"))
 
     def every(self, name: str | None, n: int, rank: int | None = None) -> int:
         """Send every ``n``-th call of ``name`` (None: every name) (see ``thing.every``)."""
-        return self.steering.apply("every", name, rank, _positive(n, "n"))
+        return self._steer("every", name, rank, _positive(n, "n"))
 
     def first(self, name: str, n: int, rank: int | None = None) -> int:
         """Send the next ``n`` captures of ``name``, then none (see ``thing.first``)."""
-        return self.steering.apply("first", name, rank, _positive(n, "n", least=0))
+        return self._steer("first", name, rank, _positive(n, "n", least=0))
 
     def pause(self, name: str | None = None, rank: int | None = None) -> int:
         """Send nothing of ``name`` (None: of any name) until resumed (see ``thing.pause``)."""
-        return self.steering.apply("pause", name, rank)
+        return self._steer("pause", name, rank)
 
     def resume(self, name: str | None = None, rank: int | None = None) -> int:
         """Undo ``pause`` for ``name`` (None: for everything) (see ``thing.resume``)."""
-        return self.steering.apply("resume", name, rank)
+        return self._steer("resume", name, rank)
 
     def reset(self, name: str | None = None, rank: int | None = None) -> int:
         """Back to the job's own every=/first= for ``name`` (None: every name) (see
         ``thing.reset``)."""
-        return self.steering.apply("reset", name, rank)
+        return self._steer("reset", name, rank)
+
+    def _steer(self, operation: str, name: str | None, rank: int | None,
+               value: int = 0) -> int:
+        """Tell running clients (see :meth:`Steering.apply`), a name's identifier standing for
+        the name, as everywhere else in the REPL."""
+        return self.steering.apply(operation, self.store.name_to_steer(name), rank, value)
 
     def available(self) -> list[Announcement]:
         """The names clients catch on demand (see ``thing.available``)."""

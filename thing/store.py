@@ -495,6 +495,25 @@ class HistoryStore:
                               f"{', '.join(map(repr, aliased))}; use one of them")
         raise UnknownName(self._unknown(name))
 
+    def name_to_steer(self, name: str | None) -> str | None:
+        """``name`` as the REPL's steering sends it: itself if a kept capture or an on-demand
+        announcement has that name, or if nothing here has it as its identifier (a job may
+        not have caught it yet); else the one name whose identifier it is (as get() finds
+        ``h_3`` for ``h[3]``). UnknownName if it is the identifier of several."""
+        if name is None:
+            return None
+        with self._lock:
+            announced = {announcement.name for announcement in self._available.values()}
+            if name in self._by_name or name in announced:
+                return name
+            aliased = {*self._aliased(name), *(known for known in announced
+                                               if known is not None
+                                               and identifier_for(known) == name)}
+        if len(aliased) > 1:
+            raise UnknownName(f"{name!r} stands for several names: "
+                              f"{', '.join(map(repr, sorted(aliased)))}; use one of them")
+        return aliased.pop() if aliased else name
+
     def _aliased(self, ident: str) -> list[str]:
         """The kept names whose identifier is ``ident``."""
         return sorted(known for known in self._by_identifier.get(hash(ident), ())
