@@ -143,6 +143,15 @@ def test_the_console_script_is_the_same_command() -> None:
     assert "--port" in result.stdout and "--host" in result.stdout
 
 
+@pytest.mark.parametrize("size", ["inf", "nan", "1e400", "0", "lots"])
+def test_a_size_that_is_no_size_is_refused_with_one_line(tmp_path: Path, size: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "thing", "record", str(tmp_path / "rec"),
+                             "--max-bytes", size], env=script_env(), capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{size!r}" in result.stderr.splitlines()[-1]
+
+
 def test_main_returns_an_exit_status_in_process() -> None:
     out = run_script(textwrap.dedent("""
         from thing.cli import main

@@ -226,7 +226,7 @@ def _size(text: str) -> int:
         number, unit = number[:-1], number[-1].upper()
     try:
         size = int(float(number) * _SIZE_UNITS[unit])
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or inf
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 20G or 512M)") from None
     if size <= 0:
         raise argparse.ArgumentTypeError(f"a size must be positive: {text!r}")
