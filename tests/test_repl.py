@@ -622,6 +622,23 @@ def test_summary_fits_the_width_a_name_per_line_a_row_per_rank(
             assert "gpu-node-17.cluster.example.org:4243" in out
 
 
+@pytest.mark.parametrize("width", [60, 80])
+def test_summary_fits_the_width_with_every_column_it_can_have(
+        default: thing.Server, width: int, monkeypatch, capsys) -> None:
+    """Two runs, ranks of a big job, a 5-d weight and a scalar: the shape and the dtype give
+    way too (a shape keeps both its ends), then the count of versions and the value go."""
+    monkeypatch.setenv("COLUMNS", str(width))
+    for run in ("first-run", "second-run"):
+        sender = Sender("10.0.0.7:5000", "node", 4242, 10, 128, run)
+        keep(default.store, "encoder.conv3d_1.weight", np.zeros((64, 64, 3, 3, 3), np.float16),
+             sender)
+        default.store.add("loss", 0.25, (), 0, sender)
+    thing.summary()
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= width for line in lines), "\n".join(lines)
+    assert any("10/128" in line and "(64" in line and "3)" in line for line in lines)
+
+
 def test_capture_and_reports_show_as_html_in_notebooks(default: thing.Server) -> None:
     keep(default.store, "<script>alert(1)</script>", np.zeros(2, np.float32), Sender("x:1"))
     capture = default.store.get("<script>alert(1)</script>")

@@ -35,7 +35,8 @@ _HELP_ORDER = ("catch", "serve", "get", "get_all", "wait", "ingest_all", "summar
 # What gives way, in order, when the summary is wider than the terminal: the name last.
 _SUMMARY_GIVES_WAY = [("shrink", "value"), ("shrink", "sender"), ("drop", "sender"),
                       ("drop", "from"), ("shrink", "run"), ("drop", "arrived"),
-                      ("shrink", "name")]
+                      ("shrink", "name"), ("shrink", "shape"), ("shrink", "dtype"),
+                      ("drop", "kept"), ("drop", "value")]
 
 
 # -- summary ---------------------------------------------------------------------------
@@ -62,7 +63,8 @@ def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None 
                      shape, dtype, framework, value, str(versions),
                      ago(capture.received_at, now), sender_text(capture)])
     columns = [Column("name", 16, "middle"), Column("run", 8, "middle"), Column("rank"),
-               Column("shape"), Column("dtype"), Column("from"), Column("value", 8),
+               Column("shape", 9, "middle"), Column("dtype", 7), Column("from"),
+               Column("value", 8),
                Column("kept"), Column("arrived"), Column("sender", 10, "middle")]
     unused = set() if several_runs else {"run"}
     if not ranked:
