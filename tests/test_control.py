@@ -137,6 +137,15 @@ def test_an_on_demand_name_sends_nothing_until_requested(server: thing.Server,
     assert calls_of(server, "attn_probs") == [21, 22, 23]  # and nothing more
 
 
+def test_what_a_job_catches_on_demand_is_listed_while_it_is_connected(
+        server: thing.Server, jobs: list[Job]) -> None:
+    jobs.append(job := Job(server.port))
+    job.catch("attn_probs", 2, on_demand=True)
+    assert [announced.name for announced in server.available()] == ["attn_probs"]
+    job.close()  # the job ends: nobody is left to ask
+    poll(lambda: not server.available(), what="the announcement forgotten")
+
+
 def test_a_name_is_steered_by_its_identifier_as_it_is_read_by_it(server: thing.Server,
                                                                   jobs: list[Job]) -> None:
     """get("layer_0") finds "layer[0]", and so does every steering function: the job is told

@@ -475,6 +475,7 @@ class Server:
         finally:
             # Before the socket closes: no control message may go to a reused descriptor.
             self.steering.detach(connection)
+            self.store.forget_available(connection.sender)  # nobody left to ask
             with self._lock:
                 self._connections.pop(sock, None)
             self._deadlines.stop(sock)

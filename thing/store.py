@@ -217,6 +217,14 @@ class HistoryStore:
             while len(self._available) > MAX_NOTICES:
                 self._available.popitem(last=False)
 
+    def forget_available(self, sender: Sender) -> None:
+        """Forget what ``sender`` catches on demand: its connection ended (a job that connects
+        again tells its new connection again)."""
+        with self._lock:
+            for key in [key for key, announcement in self._available.items()
+                        if announcement.sender == sender]:
+                del self._available[key]
+
     def available(self) -> list[Announcement]:
         """The names senders catch on demand, most recently announced first."""
         with self._lock:
