@@ -142,6 +142,9 @@ def test_what_a_job_catches_on_demand_is_listed_while_it_is_connected(
     jobs.append(job := Job(server.port))
     job.catch("attn_probs", 2, on_demand=True)
     assert [announced.name for announced in server.available()] == ["attn_probs"]
+    job.run("fork attn_probs 2")  # a child tells its own connection, and ends first
+    assert [announced.name for announced in server.available()] == ["attn_probs"]
+    assert server.available()[0].sender.pid == job.process.pid
     job.close()  # the job ends: nobody is left to ask
     poll(lambda: not server.available(), what="the announcement forgotten")
 
@@ -168,6 +171,7 @@ def test_a_name_is_steered_by_its_identifier_as_it_is_read_by_it(server: thing.S
     job.catch("layer[0]", 1)
     assert calls_of(server, "layer[0]") == [1, 2, 6]
     server.every("not_seen_yet", 3)
+    job.sync()
     assert "not_seen_yet" in job.run("settings")
     job.catch("layer(0)", 1)  # the same identifier as layer[0]
     with pytest.raises(KeyError, match="stands for several names"):

@@ -208,9 +208,10 @@ class HistoryStore:
                 self._unsent.popitem(last=False)
 
     def note_available(self, announcement: Announcement) -> None:
-        """Record a sender's word that it catches a name on demand."""
+        """Record a sender's word that it catches a name on demand (kept per connection: a
+        forked child tells its own, and may end before its parent)."""
         sender = announcement.sender
-        key = (announcement.name, sender.run, sender.rank)
+        key = (announcement.name, sender.run, sender.rank, sender)
         with self._lock:
             self._available.pop(key, None)
             self._available[key] = announcement
@@ -226,9 +227,13 @@ class HistoryStore:
                 del self._available[key]
 
     def available(self) -> list[Announcement]:
-        """The names senders catch on demand, most recently announced first."""
+        """The names senders catch on demand, most recently announced first: one for each
+        name, run and rank."""
+        newest: dict[tuple[Any, ...], Announcement] = {}
         with self._lock:
-            return list(reversed(self._available.values()))
+            for key, announcement in reversed(self._available.items()):
+                newest.setdefault(key[:3], announcement)
+        return list(newest.values())
 
     def unsent(self, name: str | None = None) -> list[UnsentNotice]:
         """Notices of captures senders could not send (of ``name``, or all), newest first."""
