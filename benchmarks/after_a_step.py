@@ -12,6 +12,11 @@ and the median over the steps; beside it, the same call's median in a tight
 loop (warm), and both as a multiple of an empty Python call measured the same
 way. The parts below the calls are what a sent ``catch(loss)`` does on the
 caller's thread (taking the tensor apart, its snapshot, reading the rank).
+
+A sent capture costs its caller more when the sender thread is asleep: the
+call wakes it (a loop that catches less often than once a tick, 50 ms). So
+each sent row is measured with the sender set beforehand either ticking (a
+capture sent before the step, as in a loop that catches every step) or asleep.
 """
 
 from __future__ import annotations
@@ -59,15 +64,22 @@ def main() -> int:
             lambda loss: thing.catch(loss, name="throttled", every=10**9)),
         "catch(loss, name='loss'), sent": lambda loss: thing.catch(loss, name="loss"),
         "catch(loss), name traced, sent": lambda loss: thing.catch(loss),
+        "catch(loss, name='loss'), sent, sender asleep": (
+            lambda loss: thing.catch(loss, name="loss")),
         "  part: wire.take_apart(loss)": wire.take_apart,
         "  part: take_apart + snapshot (hold)": (
             lambda loss: wire.take_apart(loss).hold(None, client.snapshot_bytes)),
         "  part: the rank at the call": lambda loss: client._rank.read(),
     }
+    channel = client._channels[None]
     after: dict[str, list[int]] = {label: [] for label in calls}
     try:
         for _ in range(steps):
             for label, call in calls.items():
+                if label.endswith("sender asleep"):
+                    _until(lambda: channel._idle, "the sender to fall asleep")
+                else:  # it ticks for 50 ms after this, longer than a step
+                    thing.catch(0.0, name="keep the sender ticking")
                 optimizer.zero_grad(set_to_none=True)
                 loss = torch.nn.functional.cross_entropy(model(data), targets)
                 loss.backward()
@@ -90,6 +102,14 @@ def main() -> int:
         print(f"{label:<48}{value:>14,.0f}{value / base_after:>8.1f}"
               f"{warm[label]:>13,.0f}{warm[label] / base_warm:>8.1f}")
     return 0
+
+
+def _until(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.002)
 
 
 def _tight(call, loss, client, calls: int = 50, batches: int = 100) -> float:
