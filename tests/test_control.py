@@ -8,6 +8,7 @@ after a setting is acknowledged, the job has applied the setting (``sync``).
 
 from __future__ import annotations
 
+import json
 import socket
 import tempfile
 import threading
@@ -24,11 +25,13 @@ from hypothesis import strategies as st
 import thing
 from thing import auth, live, reports, wire
 from thing.answers import read_server_message
+from thing.channel import PAUSED_BEFORE_CONNECTING
 from thing.errors import ProtocolError
 from thing.overrides import Overrides
+from thing.sockets import connect
 from thing.stream import StreamReader
 
-from .conftest import poll, start_script
+from .conftest import poll, run_script, start_script
 
 JOB = """
 import os, sys, numpy as np, thing
@@ -292,6 +295,26 @@ def test_a_job_that_connects_later_picks_up_the_settings(server: thing.Server,
     assert not any(c.requested for c in server.store.get_all("w"))
 
 
+def test_a_pause_set_before_a_job_starts_holds_back_its_very_first_calls(
+        server: thing.Server) -> None:
+    """A new job's first calls are queued before its connection is up, so before it has
+    heard the settings: it reads them first, and what they pause is skipped, not sent
+    (its handle says so, and nothing counts as lost); the rest goes, in order."""
+    server.pause("secret")
+    script = """
+        import json, thing
+        secret = [thing.catch(i, name="secret") for i in range(3)]  # before it connects
+        loss = [thing.catch(i, name="loss") for i in range(4)]
+        assert all(handle.wait(10) for handle in loss), [handle.error for handle in loss]
+        print(json.dumps({"secret": [handle.error for handle in secret],
+                          "undelivered": dict(thing._default_client.undelivered)}))
+    """
+    said = json.loads(run_script(script, server.port))
+    assert said == {"secret": [PAUSED_BEFORE_CONNECTING] * 3, "undelivered": {}}, said
+    assert calls_of(server, "secret") == []
+    assert [capture.value for capture in server.store.get_all("loss")] == [0, 1, 2, 3]
+
+
 def test_thing_control_0_ignores_the_repl(server: thing.Server, jobs: list[Job]) -> None:
     jobs.append(job := Job(server.port, THING_CONTROL="0"))
     job.sync()
@@ -452,6 +475,50 @@ def test_what_breaks_the_stream_or_its_signature_is_refused() -> None:
     genuine = auth.SessionMac("token", "c" * 32, "s" * 32)
     fresh = auth.SessionMac("token", "c" * 32, "s" * 32)  # the forged one used message 0
     assert read(raw + genuine.sign(raw), fresh) == wire.ControlMessage("every", "w", None, 1)
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["asks-for-the-end", "older-client"])
+def test_the_end_of_the_settings_is_said_only_to_a_client_that_asks(
+        server: thing.Server, replay: bool) -> None:
+    """A client whose hello says "replay" is told where the settings a new connection gets
+    end; an older one, which would log an operation it does not know, is not."""
+    server.pause("secret")
+    with connect("127.0.0.1", server.port, 10) as peer:
+        hello = {"hostname": "raw", "pid": 1, "control": True}
+        peer.sendall(wire.encode_handshake({**hello, "replay": True} if replay else hello))
+        status, welcome = wire.recv_handshake(peer)
+        assert status == wire.HANDSHAKE_OK and welcome["replay"] is True
+        stream = StreamReader(peer)
+        told = [read_server_message(stream, None) for _ in range(2)]
+        poll(lambda: server.steering.clients == 1, what="the connection steered")
+        server.resume("secret")  # the next message there is
+        told += [read_server_message(stream, None) for _ in range(1 + replay)]
+    expected = ["forget", "pause", *["replayed"] * replay, "resume"]
+    assert [message.operation for message in told] == expected
+
+
+def test_a_server_that_never_ends_its_settings_is_sent_to_after_the_connect_timeout(
+        jobs: list[Job]) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = []
+
+    def serve() -> None:  # says it ends its settings, never does, and reads what comes
+        with listener:
+            connection, _ = listener.accept()
+            with connection:
+                wire.recv_handshake(connection)
+                connection.sendall(wire.encode_handshake(
+                    {"server": "thing", "notices": True, "control": True, "replay": True}))
+                connection.settimeout(10)
+                received.append(connection.recv(wire.FRAME_PREFIX.size))
+
+    fake = threading.Thread(target=serve, daemon=True)
+    fake.start()
+    job = Job(listener.getsockname()[1], THING_TRANSPORT="tcp", THING_CONNECT_TIMEOUT="0.5")
+    jobs.append(job)
+    job.run("touch")
+    fake.join(10)
+    assert received and received[0][:2] == wire.FRAME_TAG  # its capture came
 
 
 def test_a_hostile_server_cannot_upset_a_job(jobs: list[Job]) -> None:

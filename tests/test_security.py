@@ -457,9 +457,9 @@ def test_token_comparison_is_constant_time(monkeypatch: pytest.MonkeyPatch) -> N
             assert client.catch(np.ones(2), name="x").wait(10)
         finally:
             client.close()
-    # Both proofs in the handshake, the frame's signature, the ack's and that of the control
-    # message that starts every steered connection: all compared so.
-    assert len(calls) == 10
+    # Both proofs in the handshake, the frame's signature, the ack's and those of the two
+    # control messages that start every steered connection (forget, replayed): all so.
+    assert len(calls) == 11
 
 
 # -- stalled and slow peers -------------------------------------------------------------------

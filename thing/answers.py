@@ -94,6 +94,18 @@ class Answers:
             if acks:
                 self._settle(acks)
 
+    def read_until(self, done: Callable[[], bool], seconds: float) -> bool:
+        """Read what arrives until ``done()`` is true (checked after each read) or ``seconds``
+        pass; returns ``done()``. Raises as :meth:`read_arrived`."""
+        deadline = time.monotonic() + seconds
+        while True:
+            self.read_arrived()
+            if done():
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._readable.poll(remaining * 1000):
+                return done()
+
     def read_until_end(self, seconds: float) -> None:
         """Read what arrives for up to ``seconds``, until the server hangs up (after
         ``shutdown(SHUT_WR)``, it answers what it received first). Never raises: it runs

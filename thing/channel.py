@@ -65,6 +65,8 @@ COALESCE = 64
 # buffer, however small) must never fill that buffer while a long send of ours waits for
 # the server to read, which it would not do while it waits to answer.
 MAX_IN_FLIGHT = 128
+# What the handle of a capture held back by _learn_settings says.
+PAUSED_BEFORE_CONNECTING = "skipped: paused by the REPL (heard of when the job connected)"
 # How long hurry() waits for the lock before it leaves flags for the next tick instead.
 HURRY_LOCK_SECONDS = 0.001
 
@@ -116,6 +118,10 @@ class Channel:
         self._notices = False  # whether the server takes notices of unsent captures
         self._told: set[tuple[str | None, str]] = set()  # notices sent on this connection
         self._steered = False  # whether the server may steer us (and takes announcements)
+        # Whether it ends what it tells a new connection of its settings with "replayed",
+        # and whether that end has come (see _learn_settings).
+        self._replays = False
+        self._replayed = False
         # On-demand names and what they look like, told again on every new connection.
         self._on_demand: dict[str | None, Pending] = {}
         self._headers = Headers()
@@ -355,8 +361,10 @@ class Channel:
             self._sock, self.down = sock, False
         self.overrides.connected(id(self))
         self._announce_again()
-        answers = Answers(sock, mac, self._settle, self.overrides.apply, self._ignored)
+        answers = Answers(sock, mac, self._settle, self._steer, self._ignored)
         try:
+            if self._replays:
+                self._learn_settings(answers)
             self._send_loop(sock, mac, answers)
         except ProtocolError as exc:  # the server broke its promise: reconnect
             log.warning("thing server at %s:%d: %s", *self.address, exc)
@@ -386,12 +394,50 @@ class Channel:
                 self._fail_inflight("lost", "unacknowledged: the connection to the server was "
                                     "lost before it answered (it may or may not have stored it)")
 
+    def _steer(self, message: wire.ControlMessage) -> None:
+        if message.operation == "replayed":
+            self._replayed = True
+        else:
+            self.overrides.apply(message)
+
+    def _learn_settings(self, answers: Answers) -> None:
+        """Before sending on a new connection, read what the server says is set (a
+        ``forget``, its statements, ``replayed``), then hold back what was caught before
+        that and is paused: a job started after ``thing.pause("x")`` sends no x, its
+        first calls included.
+
+        Only pauses are applied again: ``every=``/``first=`` numbered a call when it was
+        made, and apply from the connection on. A server that says nothing within the
+        connect timeout is sent to as it is.
+        """
+        self._replayed = False
+        if not answers.read_until(lambda: self._replayed, config.connect_timeout()):
+            log.debug("the thing server at %s:%d did not say what is set", *self.address)
+            return
+        paused = self.overrides.paused
+        with self._mutex:
+            queue = self._queue
+            # As at a call, a request outranks a pause.
+            held = [pending for pending in queue if pending.notice is None
+                    and not pending.requested and paused(pending.name)]
+            if not held:
+                return
+            kept = [pending for pending in queue if pending.notice is not None
+                    or pending.requested or not paused(pending.name)]
+            queue.clear()
+            queue.extend(kept)
+            nbytes = sum(pending.payload.nbytes for pending in held)
+            self._queued_bytes -= nbytes
+            self._room.give_back(nbytes, len(held))
+        for pending in held:
+            pending.handle.resolve(None, PAUSED_BEFORE_CONNECTING)
+
     def _connect(self) -> tuple[socket.socket, auth.SessionMac | None]:
         """A new connection that passed the handshake (see thing/dial.py)."""
         dialled = dial(self.address, self.token, self._this_host, self.overrides.enabled)
         with self._mutex:
             self._notices, self._told = dialled.notices, set()
-            self._steered = dialled.steered
+            self._steered, self._replays = dialled.steered, dialled.replays
         if dialled.transport != self.transport:
             log.info("sending to the thing server at %s:%d over %s", *self.address,
                      TRANSPORT_NAMES[dialled.transport])

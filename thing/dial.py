@@ -34,6 +34,7 @@ class Dialled(NamedTuple):
     mac: auth.SessionMac | None  # signs every frame when a token is in use
     notices: bool  # the server takes notices of captures that could not be sent
     steered: bool  # the server may steer us (and takes announcements of on-demand names)
+    replays: bool  # it ends what it tells us of its settings with "replayed" (see Channel)
 
 
 def dial(address: tuple[str, int], token: str | None, this_host: bool,
@@ -60,8 +61,9 @@ def dial(address: tuple[str, int], token: str | None, this_host: bool,
     except BaseException:
         sock.close()
         raise
-    return Dialled(sock, transport, mac, info.get("notices") is True,
-                   info.get("control") is True)
+    steered = info.get("control") is True
+    return Dialled(sock, transport, mac, info.get("notices") is True, steered,
+                   control and steered and info.get("replay") is True)
 
 
 def _open(address: tuple[str, int], this_host: bool, token: str | None
@@ -111,7 +113,7 @@ def _handshake(sock: socket.socket, address: tuple[str, int], token: str | None,
     host, port = address
     client_nonce = auth.new_nonce()
     hello = {**_identity(), "nonce": client_nonce, "shared_memory": shared_memory,
-             "control": control}
+             "control": control, "replay": control}
     send_buffers(sock, [wire.encode_handshake(hello)])
     status, info = wire.recv_handshake(sock)
     mac = None

@@ -108,6 +108,8 @@ class SettingsTable:
               value: int) -> bool:
         """Apply one statement; False if ignored (a new name beyond MAX_STEERED_NAMES)."""
         statements = self._statements
+        if operation == "replayed":  # the end of a replay (see Channel._learn_settings)
+            return True
         if operation == "forget":
             self._kept_budgets = {(s.name, s.rank, s.value): s.budget
                                   for s in statements.values() if s.budget is not None}
@@ -220,6 +222,12 @@ class Overrides:
         if call and budget is not None:
             budget.left -= 1
         return call, False
+
+    def paused(self, name: Optional[str]) -> bool:
+        """Whether the REPL paused ``name`` (on this rank) now."""
+        settings = self._settings
+        setting = settings.get(name) or settings.get(None)
+        return setting is not None and bool(setting.paused)
 
     def _take_request(self, name: str) -> bool:
         with self._write:

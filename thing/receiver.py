@@ -137,6 +137,7 @@ class Connection:
         self.takes_descriptors = False  # until the handshake says otherwise
         self.sender = Sender(address)
         self.takes_control = False  # until the handshake says otherwise
+        self.awaits_replay = False
         self._acks: list[bytes] = []
         # Acks (this connection's thread) and control messages (the REPL's) share the
         # socket and the signatures' count: each is signed as it is sent, under this lock.
@@ -189,13 +190,16 @@ class Connection:
         # frame finds none to take and is refused.
         self.takes_descriptors = self.local and info.get("shared_memory") is True
         self.takes_control = info.get("control") is True
+        # It holds what it caught before it connected until it hears the settings' end.
+        self.awaits_replay = self.takes_control and info.get("replay") is True
         if settings.token is not None:
             self._authenticate(settings.token, info.get("nonce"))
         if self.takes_descriptors:  # only once proven: none is kept from a peer turned away
             self._stream.take_descriptors()
         # Proven (or no token asked): from now on it holds a slot like any client.
         self.handshaken, self.since = True, time.monotonic()
-        welcome = {"server": "thing", "pid": os.getpid(), "notices": True, "control": True}
+        welcome = {"server": "thing", "pid": os.getpid(), "notices": True, "control": True,
+                   "replay": True}
         send_buffers(sock, [wire.encode_handshake(welcome)])
         self._deadline.stop()
         self.sender = Sender(

@@ -6,10 +6,11 @@ an operation from a fixed set, a name, a rank, a number) and sends it to every
 connected client that takes control. It keeps the statements in force (not
 the requests, which are for the calls of now) in the same
 :class:`~thing.overrides.SettingsTable` a client keeps, and replays them,
-oldest first, to each client that connects later, after a ``forget``: a
-restarted job decides as one connected all along, and holds nothing it no
-longer should. The client applies them (``overrides.py``); nothing in the job
-runs code from the REPL.
+oldest first, to each client that connects later, after a ``forget`` and
+before a ``replayed`` (to a client that asked for it: it holds what it caught
+before it connected until then): a restarted job decides as one connected all
+along, and holds nothing it no longer should. The client applies them
+(``overrides.py``); nothing in the job runs code from the REPL.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Steering:
             messages = [wire.encode_control("forget", None, None)] + [
                 wire.encode_control(s.operation, s.name, s.rank, s.value)
                 for s in self._table.statements()]
+            if connection.awaits_replay:
+                messages.append(wire.encode_control("replayed", None, None))
             for message in messages:
                 if not self._send(connection, message):
                     return

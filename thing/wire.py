@@ -79,7 +79,7 @@ CONTROL = struct.Struct("<2sHIqq")
 CONTROL_TAG = b"TC"
 NO_RANK = -(1 << 63)
 CONTROL_OPERATIONS = {1: "request", 2: "every", 3: "first", 4: "pause", 5: "resume",
-                      6: "reset", 7: "forget"}
+                      6: "reset", 7: "forget", 8: "replayed"}
 CONTROL_CODES = {operation: code for code, operation in CONTROL_OPERATIONS.items()}
 # The most a control message's number may be: a count of calls, an every=, a first=.
 MAX_CONTROL_VALUE = 1 << 40
