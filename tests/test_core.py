@@ -439,3 +439,19 @@ def test_the_twins_private_mapping_keeps_no_descriptor() -> None:
         assert os.pread(fd, 1, 0) == b"\x00"
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 4096])
+def test_bytes_at_copies_the_memory_at_an_address(core, nbytes: int) -> None:
+    source = np.frombuffer(os.urandom(nbytes), np.uint8).copy()
+    copied = core.bytes_at(source.ctypes.data, nbytes)
+    source[:] = ~source  # a copy, not a view: what it holds does not follow the source
+    assert type(copied) is bytes and copied == (~source).tobytes()
+
+
+@pytest.mark.parametrize(("address", "nbytes"), [(0, 4), (4096, -1)])
+def test_bytes_at_refuses_a_null_address_or_a_negative_size(core, address: int,
+                                                            nbytes: int) -> None:
+    with pytest.raises(ValueError, match="no -?[0-9]+ bytes at address"):
+        core.bytes_at(address, nbytes)
+    assert core.bytes_at(0, 0) == b""  # an empty tensor's data pointer may be null

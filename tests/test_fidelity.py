@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import thing
 
@@ -39,6 +40,76 @@ def test_a_small_array_changed_in_place_arrives_as_it_was_at_each_call(
     for i, value in enumerate(received):
         assert value.tobytes() == np.full(1024, i, np.float32).tobytes(), f"capture {i}"
     assert all(capture.consistent for capture in server.store.get_all("a"))
+
+
+def test_a_small_tensor_changed_in_place_arrives_as_it_was_at_each_call(
+        server: thing.Server) -> None:
+    """A small CPU tensor is copied at the call: a plain one from its data pointer (a
+    parameter, a view into the middle of its storage too); one whose memory holds other
+    bytes than it reads (a negative view, bfloat16), or none (a ZeroTensor, a view of
+    one), by numpy or torch."""
+    run_script(
+        """
+        import torch, thing
+        tensors = {"plain": torch.zeros(1024), "weight": torch.nn.Parameter(torch.zeros(4, 8)),
+                   "window": torch.zeros(64)[16:48], "negated": torch.zeros(8)._neg_view(),
+                   "bf16": torch.zeros(6, dtype=torch.bfloat16)}
+        handles = []
+        for i in range(100):
+            with torch.no_grad():
+                for tensor in tensors.values():
+                    tensor.fill_(i)
+            handles += [thing.catch(tensor, name=name, block=True)
+                        for name, tensor in tensors.items()]
+            handles += [thing.catch(torch._efficientzerotensor(3), name="zeros", block=True),
+                        thing.catch(torch._efficientzerotensor(8)[5:], name="zeros", block=True)]
+            with torch.no_grad():
+                for tensor in tensors.values():
+                    tensor.add_(0.5)  # straight after the call
+        assert all(h.wait(30) for h in handles), [h.error for h in handles if h.id is None][:3]
+        """,
+        server.port,
+    )
+    for name, shape, dtype in [("plain", (1024,), torch.float32), ("weight", (4, 8), torch.float32),
+                               ("window", (32,), torch.float32), ("negated", (8,), torch.float32),
+                               ("bf16", (6,), torch.bfloat16)]:
+        received = server.get_all(name)
+        assert len(received) == 100, name
+        for i, value in enumerate(received):
+            assert torch.equal(value, torch.full(shape, float(i), dtype=dtype)), (name, i)
+    assert all(torch.equal(value, torch.zeros(3)) for value in server.get_all("zeros"))
+    assert len(server.get_all("zeros")) == 200
+
+
+def test_a_tensor_whose_memory_was_freed_is_reported_and_never_read(
+        server: thing.Server) -> None:
+    """FSDP frees a parameter's memory by resizing its storage to nothing and leaves the
+    tensor as it was; reading it, even with torch's clone(), would crash the job. Freed
+    before the call, or after it and before the sender reads it in place: told, not read."""
+    run_script(
+        """
+        import torch, thing
+        gone = torch.arange(1024.)
+        gone.untyped_storage().resize_(0)
+        handle = thing.catch(gone, name="gone")
+        assert not handle.wait(10) and "memory is gone" in handle.error, handle.error
+        later = torch.arange(256.)  # 1 KiB read in place, sent at the sender's tick
+        handle = thing.catch(later, name="later", copy=False)
+        later.untyped_storage().resize_(0)
+        assert not handle.wait(10) and "memory is gone" in handle.error, handle.error
+        window = torch.arange(100.)[50:]  # a view whose storage shrank under it
+        window.untyped_storage().resize_(220)
+        assert "memory is gone" in thing.catch(window, name="window").error
+        functional = torch._to_functional_tensor(torch.arange(8.)[2:])  # no data where it points
+        assert "no data of its own" in thing.catch(functional, name="functional").error
+        assert thing.catch(torch.ones(3), name="fine").wait(10)
+        """,
+        server.port,
+    )
+    told = {notice.name: notice.reason for notice in server.store.unsent()}
+    assert set(told) == {"gone", "later", "window", "functional"}, told
+    assert all("memory is gone" in told[name] for name in ("gone", "later", "window")), told
+    assert server.store.received == 1 and torch.equal(server.get("fine"), torch.ones(3))
 
 
 def test_weights_caught_after_every_optimizer_step_are_the_weights_of_that_step(
@@ -212,7 +283,6 @@ def test_torch_captures_reach_a_server_that_never_imported_torch(processes) -> N
 
 def test_cuda_tensors_on_a_device_that_is_not_current(server: thing.Server) -> None:
     """The copy to host runs on the tensor's own device's stream; so must the event."""
-    torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device here")
     run_script(

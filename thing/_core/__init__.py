@@ -14,8 +14,8 @@ import logging
 import os
 
 # What both cores provide, and this package takes from the one it chose.
-_MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "copy_into", "recv_buffers", "recv_some",
-           "send_buffers", "split_small_frames", "split_stored_acks", "untrack")
+_MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "bytes_at", "copy_into", "recv_buffers",
+           "recv_some", "send_buffers", "split_small_frames", "split_stored_acks", "untrack")
 _THROTTLES = ("Throttle", "Throttles", "gated")
 
 
@@ -61,6 +61,7 @@ else:
 
 MAX_DESCRIPTORS: int = _movers.MAX_DESCRIPTORS
 PrivateMapping = _movers.PrivateMapping
+bytes_at = _movers.bytes_at
 copy_into = _movers.copy_into
 recv_buffers = _movers.recv_buffers
 recv_some = _movers.recv_some

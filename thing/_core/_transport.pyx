@@ -13,6 +13,8 @@ The socket must be in blocking mode; timeouts come from ``SO_SNDTIMEO`` /
 and ``split_small_frames`` a run of a client's small frames, in one call each,
 on the bytes one receive brought: reading many small messages per system call.
 
+``bytes_at`` copies a tensor's memory from its data pointer at the call.
+
 ``untrack`` takes what the server keeps for hours out of the cyclic garbage
 collector's lists, which pure Python cannot do.
 """
@@ -400,6 +402,19 @@ def copy_into(destination, source) -> int:
             PyBuffer_Release(&src)
     finally:
         PyBuffer_Release(&dst)
+
+
+def bytes_at(size_t address, Py_ssize_t nbytes):
+    """A copy of the ``nbytes`` bytes of memory at ``address``, made with the GIL held.
+
+    For a CPU tensor's snapshot at the call (``arrays.hold``): its data
+    pointer is all torch has to give without making a tensor or a numpy view
+    first, which cost a training loop several microseconds a capture. The
+    caller vouches that the memory is the tensor's, contiguous, and alive.
+    """
+    if nbytes < 0 or (address == 0 and nbytes):
+        raise ValueError(f"no {nbytes} bytes at address {address:#x}")
+    return PyBytes_FromStringAndSize(<char *>address, nbytes)
 
 
 cdef extern from "Python.h":

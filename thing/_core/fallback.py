@@ -168,6 +168,17 @@ def copy_into(destination: object, source: object) -> int:
     return src.nbytes
 
 
+def bytes_at(address: int, nbytes: int) -> bytes:
+    """A copy of the ``nbytes`` bytes of memory at ``address`` (see the compiled core's)."""
+    import ctypes  # only the twin needs it, and only once a tensor is snapshotted
+
+    if nbytes < 0 or (address == 0 and nbytes):
+        raise ValueError(f"no {nbytes} bytes at address {address:#x}")
+    # Not ctypes.string_at, which takes the size as a C int: 2 GiB and more would fail,
+    # and 4 GiB and more wrap around.
+    return (ctypes.c_char * nbytes).from_address(address).raw if nbytes else b""
+
+
 def untrack(obj: object) -> object:
     """``obj`` itself: pure Python cannot take an object out of the cyclic garbage
     collector's lists, so a server on the twin has each full collection walk its history."""
