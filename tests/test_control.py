@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import thing
 from thing import auth, live, reports, wire
 from thing.answers import read_server_message
-from thing.channel import PAUSED_BEFORE_CONNECTING
+from thing.channel import PAUSED
 from thing.errors import ProtocolError
 from thing.overrides import Overrides
 from thing.sockets import connect
@@ -322,13 +322,16 @@ def test_a_pause_set_before_a_job_starts_holds_back_its_very_first_calls(
     script = """
         import json, thing
         secret = [thing.catch(i, name="secret") for i in range(3)]  # before it connects
+        # Let through before it heard the settings, queued after: taking a million
+        # numbers apart (about 0.3 s) outlasts connecting, which the GIL's switches let run.
+        secret.append(thing.catch([0.5] * 1_000_000, name="secret"))
         loss = [thing.catch(i, name="loss") for i in range(4)]
         assert all(handle.wait(10) for handle in loss), [handle.error for handle in loss]
         print(json.dumps({"secret": [handle.error for handle in secret],
                           "undelivered": dict(thing._default_client.undelivered)}))
     """
     said = json.loads(run_script(script, server.port))
-    assert said == {"secret": [PAUSED_BEFORE_CONNECTING] * 3, "undelivered": {}}, said
+    assert said == {"secret": [PAUSED] * 4, "undelivered": {}}, said
     assert calls_of(server, "secret") == []
     assert [capture.value for capture in server.store.get_all("loss")] == [0, 1, 2, 3]
 

@@ -65,8 +65,9 @@ COALESCE = 64
 # buffer, however small) must never fill that buffer while a long send of ours waits for
 # the server to read, which it would not do while it waits to answer.
 MAX_IN_FLIGHT = 128
-# What the handle of a capture held back by _learn_settings says.
-PAUSED_BEFORE_CONNECTING = "skipped: paused by the REPL (heard of when the job connected)"
+# What the handle of a capture says that was let through at its call, and paused before it
+# was queued (see _queue_up and _learn_settings).
+PAUSED = "skipped: paused by the REPL"
 # How long hurry() waits for the lock before it leaves flags for the next tick instead.
 HURRY_LOCK_SECONDS = 0.001
 
@@ -241,6 +242,10 @@ class Channel:
             self._room.give_back(nbytes)
             self._room.undelivered["closed"] += 1
             return CLOSED
+        if self.overrides.active and self._paused(pending):  # said since it was let through
+            self._room.give_back(nbytes)
+            pending.handle.resolve(None, PAUSED)
+            return pending.handle
         queue = self._queue
         queue.append(pending)
         self._queued_bytes += nbytes
@@ -414,23 +419,28 @@ class Channel:
         if not answers.read_until(lambda: self._replayed, config.connect_timeout()):
             log.debug("the thing server at %s:%d did not say what is set", *self.address)
             return
-        paused = self.overrides.paused
+        # What is queued from now on is checked as it is queued (see _queue_up).
         with self._mutex:
             queue = self._queue
-            # As at a call, a request outranks a pause.
-            held = [pending for pending in queue if pending.notice is None
-                    and not pending.requested and paused(pending.name)]
+            kept: list[Pending] = []
+            held: list[Pending] = []
+            for pending in queue:
+                (held if self._paused(pending) else kept).append(pending)
             if not held:
                 return
-            kept = [pending for pending in queue if pending.notice is not None
-                    or pending.requested or not paused(pending.name)]
             queue.clear()
             queue.extend(kept)
             nbytes = sum(pending.payload.nbytes for pending in held)
             self._queued_bytes -= nbytes
             self._room.give_back(nbytes, len(held))
         for pending in held:
-            pending.handle.resolve(None, PAUSED_BEFORE_CONNECTING)
+            pending.handle.resolve(None, PAUSED)
+
+    def _paused(self, pending: Pending) -> bool:
+        """Whether a capture let through at its call is paused now (a request outranks a
+        pause, as at a call; a notice is no capture)."""
+        return (pending.notice is None and not pending.requested
+                and self.overrides.paused(pending.name))
 
     def _connect(self) -> tuple[socket.socket, auth.SessionMac | None]:
         """A new connection that passed the handshake (see thing/dial.py)."""

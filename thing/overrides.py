@@ -47,6 +47,9 @@ log = logging.getLogger("thing")
 # cannot grow a job's memory, nor the time each message takes to apply, without end).
 MAX_STEERED_NAMES = 1000
 KINDS = ("every", "first", "pause")
+# The operations that change what is set (a request is for the calls of now; "replayed"
+# only ends what a new connection is told, see Channel._learn_settings).
+STATEMENTS = ("every", "first", "pause", "resume", "reset", "forget")
 
 
 class Budget:
@@ -108,8 +111,8 @@ class SettingsTable:
               value: int) -> bool:
         """Apply one statement; False if ignored (a new name beyond MAX_STEERED_NAMES)."""
         statements = self._statements
-        if operation == "replayed":  # the end of a replay (see Channel._learn_settings)
-            return True
+        if operation not in STATEMENTS:
+            raise ValueError(f"{operation!r} is not a statement")
         if operation == "forget":
             self._kept_budgets = {(s.name, s.rank, s.value): s.budget
                                   for s in statements.values() if s.budget is not None}
@@ -234,7 +237,9 @@ class Overrides:
 
     def paused(self, name: Optional[str]) -> bool:
         """Whether the REPL paused ``name`` (on this rank) now."""
-        settings = self._resolve()
+        settings = self._settings
+        if self._settings_rank != self._rank():
+            settings = self._resolve()
         setting = settings.get(name) or settings.get(None)
         return setting is not None and bool(setting.paused)
 
@@ -261,6 +266,8 @@ class Overrides:
                            "(THING_CONTROL=0 or Client(control=False))")
             return
         operation, name = message.operation, message.name
+        if operation == "replayed":  # read by the channel (see Channel._learn_settings)
+            return
         # A statement for another rank is kept (this one may become it); a request is for
         # the calls of now, and a reset's dropping of requests only for its own rank.
         for_me = message.rank is None or message.rank == self._rank()
