@@ -225,25 +225,3 @@ def test_a_capture_that_fails_on_the_sender_thread_is_told_to_the_repl_too(
     with pytest.raises(KeyError, match=r"nothing named 'huge' arrived: its sender could not"):
         server.get("huge")
     assert server.get("fine") == 1.5
-
-
-def test_ranks_that_fail_alike_are_each_told_and_shown_on_one_row(
-        server: thing.Server) -> None:
-    """A notice per rank: describe(name, rank=k) finds rank k's even when every rank failed
-    the same way; summary() shows one row for the name and reason, with who said so."""
-    script = """
-        import thing
-        class Opaque:
-            pass
-        assert thing.catch(Opaque(), name="probe").error
-        assert thing.catch(1.5, name="sync").wait(10)
-    """
-    for rank in (0, 1, 2, 5):
-        run_script(script, server.port, RANK=str(rank), WORLD_SIZE="8")
-    notices = server.store.unsent("probe")
-    assert sorted(notice.sender.rank for notice in notices) == [0, 1, 2, 5]
-    described = thing.reports.describe(server.store, "probe", rank=1).text(100)
-    assert "rank 1/8" in described and "rank 5/8" not in described
-    summary = thing.reports.summary(server.store, server.info()).text(300)  # room for all
-    [row] = [line for line in summary.splitlines() if "probe" in line]
-    assert "4 senders, ranks 0–2, 5" in row, summary

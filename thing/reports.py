@@ -126,16 +126,11 @@ def on_demand_table(announced: list[Announcement]) -> Table | None:
 
 
 def unsent_table(notices: list[UnsentNotice]) -> Table | None:
-    """What senders could not send, one row per name and reason, newest first, with who
-    said so (``describe`` has more)."""
+    """What senders could not send, one row per name and reason (``describe`` has more)."""
     if not notices:
         return None
-    told: dict[tuple[str | None, str], list[UnsentNotice]] = {}
-    for notice in notices:
-        told.setdefault((notice.name, notice.reason), []).append(notice)
-    rows = [[name if name is not None else "(unnamed)", alike[0].type_name, reason,
-             _senders_text([notice.sender for notice in alike])]
-            for (name, reason), alike in told.items()]
+    rows = [[notice.name if notice.name is not None else "(unnamed)", notice.type_name,
+             notice.reason, sender_of(notice.sender)] for notice in notices]
     return Table("could not send", [Column("name", 16, "middle"), Column("type", 10),
                                     Column("reason", 20), Column("sender", 10)], rows,
                  [], [("shrink", "sender"), ("drop", "sender"), ("shrink", "type"),
@@ -210,28 +205,12 @@ def capture_report(capture: Capture, store: HistoryStore | None = None) -> Repor
     return Report(Fields(title, pairs), table)
 
 
-def _senders_text(senders: list[Sender]) -> str:
-    """One sender in full; several as how many, and their ranks (runs of them as a–b)."""
-    if len(senders) == 1:
-        rank = rank_text_of(senders[0])
-        return sender_of(senders[0]) + (f", rank {rank}" if rank else "")
-    ranks = sorted({sender.rank for sender in senders if sender.rank is not None})
-    spans: list[list[int]] = []
-    for rank in ranks:
-        if spans and rank == spans[-1][1] + 1:
-            spans[-1][1] = rank
-        else:
-            spans.append([rank, rank])
-    listed = ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in spans)
-    return f"{len(senders)} senders" + (f", ranks {listed}" if listed else "")
-
-
 def _notice_fields(notice: UnsentNotice) -> Fields:
     return Fields(f"could not send {notice.name!r}", [
         ("type", notice.type_name),
         ("reason", notice.reason),
         ("call site", notice.call_site or "-"),
-        ("sender", _senders_text([notice.sender])),
+        ("sender", sender_of(notice.sender)),
         ("told at", f"{clock(notice.at)} ({ago(notice.at)})"),
     ])
 

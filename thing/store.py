@@ -75,8 +75,8 @@ class Announcement:
 class UnsentNotice:
     """A sender's word that it could not send a capture of ``name``, and why (no data).
 
-    A client tells the server once per name and reason; the store keeps the
-    newest for each name, reason, run and rank (``at``: when it arrived).
+    A client tells the server once per name and reason; ``at`` is when the
+    newest such notice arrived.
     """
 
     name: str | None
@@ -149,7 +149,7 @@ class HistoryStore:
         # reason, as it last reported them; bounded, the oldest sender forgotten first.
         self._undelivered: OrderedDict[tuple[str, int], dict[str, int]] = OrderedDict()
         # (name, reason) -> the newest notice of it; bounded, the oldest forgotten first.
-        self._unsent: OrderedDict[tuple[Any, ...], UnsentNotice] = OrderedDict()
+        self._unsent: OrderedDict[tuple[str | None, str], UnsentNotice] = OrderedDict()
         # On-demand names senders announced, by name, run and rank (the newest word kept).
         self._available: OrderedDict[tuple[Any, ...], Announcement] = OrderedDict()
         self._listeners: list[Callable[[Capture], None]] = []  # replaced, never changed in place
@@ -199,9 +199,8 @@ class HistoryStore:
                 self._undelivered.popitem(last=False)
 
     def note_unsent(self, notice: UnsentNotice) -> None:
-        """Record a sender's notice that it could not send a capture, and why (one per rank:
-        ``describe(name, rank=3)`` finds rank 3's even when rank 5 failed alike)."""
-        key = (notice.name, notice.reason, notice.sender.run, notice.sender.rank)
+        """Record a sender's notice that it could not send a capture, and why."""
+        key = (notice.name, notice.reason)
         with self._lock:
             self._unsent.pop(key, None)
             self._unsent[key] = notice
