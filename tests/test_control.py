@@ -31,7 +31,7 @@ from thing.overrides import Overrides
 from thing.sockets import connect
 from thing.stream import StreamReader
 
-from .conftest import free_port, poll, run_script, start_script
+from .conftest import poll, run_script, start_script
 
 JOB = """
 import os, sys, numpy as np, thing
@@ -52,10 +52,6 @@ for line in sys.stdin:
             thing._default_client.flush(10)
             os._exit(0)
         os.waitpid(child, 0)
-    if command == "init":  # join a one-process gloo group as rank 0 (torch.distributed)
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args[0]}", rank=0,
-                                world_size=1)
     if command == "touch":  # catch once and wait for nothing (a server that never answers)
         thing.catch(0, name="touch")
         print("done", flush=True)
@@ -286,20 +282,6 @@ def test_a_setting_can_be_for_one_rank(server: thing.Server, jobs: list[Job]) ->
     assert [c.call for c in server.store.get_all("x", rank=1)][-1] == 7
 
 
-def test_a_setting_for_a_rank_applies_once_the_job_joins_its_process_group(
-        server: thing.Server, jobs: list[Job]) -> None:
-    server.pause("w", rank=0)
-    jobs.append(job := Job(server.port))  # no RANK in its environment (as under mp.spawn)
-    job.sync()
-    job.catch("w", 2)
-    assert calls_of(server, "w") == [1, 2]  # not rank 0, as far as it knows
-    job.run(f"init {free_port()}")  # now it is rank 0
-    job.catch("w", 2)
-    job.sync()
-    assert calls_of(server, "w") == [1, 2]
-    assert [capture.sender.rank for capture in server.store.get_all("sync")][-1] == 0
-
-
 def test_a_job_that_connects_later_picks_up_the_settings(server: thing.Server,
                                                          jobs: list[Job]) -> None:
     server.every("w", 1)
@@ -431,25 +413,6 @@ def test_the_latest_statement_that_applies_wins() -> None:
     assert table.settings() == {} and table.requests() == {"a": 2} and table.active
     table.apply(read(message("reset")))
     assert table.requests() == {} and not table.active
-
-
-def test_a_statement_for_a_rank_applies_once_the_job_knows_it_is_that_rank() -> None:
-    """Before init_process_group (mp.spawn sets no RANK), a job does not know its rank: a
-    statement for a rank is kept all the same, and applies once the job is that rank."""
-    rank: list[int | None] = [None]
-    table = Overrides(True, 600.0, lambda: rank[0])
-    table.apply(read(message("pause", "w", 1)))
-    table.apply(read(message("every", "x", 0, 5)))
-    table.apply(read(message("request", "w", 1, 2)))  # for the calls of now, on rank 1
-    assert table.active and table.settings() == {} and table.requests() == {}
-    rank[0] = 1
-    assert table.paused("w") and not table.paused("x")
-    assert {name: repr(s) for name, s in table.settings().items()} == {
-        "w": "Setting(every=None, first=None, paused=True)"}
-    rank[0] = 0
-    assert not table.paused("w") and table.settings()["x"].every == 5
-    table.apply(read(message("reset", "x", 1)))  # another rank's reset leaves rank 0's
-    assert table.settings()["x"].every == 5
 
 
 operations = st.lists(st.tuples(

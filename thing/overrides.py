@@ -141,9 +141,6 @@ class SettingsTable:
                                                    value, budget)
         return True
 
-    def __len__(self) -> int:
-        return len(self._statements)
-
     def statements(self) -> list[Statement]:
         """The statements in force, oldest first: what a later client is told, in order."""
         return sorted(self._statements.values())
@@ -180,11 +177,8 @@ class Overrides:
     """This process's table of what the REPL set (see the module docstring).
 
     ``enabled=False`` (``THING_CONTROL=0``, ``Client(control=False)``) ignores
-    every message. ``rank()`` is this process's rank now: statements for
-    every rank are kept, as the server keeps them, and those for this rank
-    apply, worked out again when the rank changes (a job learns it at
-    ``init_process_group``, maybe after the REPL spoke); a request for another
-    rank is skipped. ``throttles``, the client's counts, is told whether
+    every message. ``rank()`` is this process's rank now, to skip messages
+    for another rank. ``throttles``, the client's counts, is told whether
     anything is set (``Throttles.steered``): its compiled gate then leaves
     every call to catch().
     """
@@ -199,7 +193,6 @@ class Overrides:
         self._table = SettingsTable()
         # Replaced whole by writers, never changed in place: catch() reads them unlocked.
         self._settings: dict[Optional[str], Setting] = {}
-        self._settings_rank: Optional[int] = None  # the rank _settings were worked out for
         self._requests: dict[str, int] = {}
         self._write = threading.Lock()
         self._connections: set[int] = set()  # ids of channels connected now
@@ -215,8 +208,6 @@ class Overrides:
         if name in self._requests and self._take_request(name):
             return throttle.count(), True
         settings = self._settings
-        if self._settings_rank != self._rank():
-            settings = self._resolve()
         setting = settings.get(name) or settings.get(None)
         if setting is None:
             if on_demand:
@@ -238,8 +229,6 @@ class Overrides:
     def paused(self, name: Optional[str]) -> bool:
         """Whether the REPL paused ``name`` (on this rank) now."""
         settings = self._settings
-        if self._settings_rank != self._rank():
-            settings = self._resolve()
         setting = settings.get(name) or settings.get(None)
         return setting is not None and bool(setting.paused)
 
@@ -265,14 +254,11 @@ class Overrides:
             self._say_once("ignored", "thing: ignoring the REPL's control messages "
                            "(THING_CONTROL=0 or Client(control=False))")
             return
+        if message.operation == "replayed":  # read by the channel (see Channel._learn_settings)
+            return
+        if message.rank is not None and message.rank != self._rank():
+            return
         operation, name = message.operation, message.name
-        if operation == "replayed":  # read by the channel (see Channel._learn_settings)
-            return
-        # A statement for another rank is kept (this one may become it); a request is for
-        # the calls of now, and a reset's dropping of requests only for its own rank.
-        for_me = message.rank is None or message.rank == self._rank()
-        if operation == "request" and not for_me:
-            return
         with self._write:
             kept = True
             if operation == "request":
@@ -283,12 +269,11 @@ class Overrides:
                 else:
                     kept = False
             else:
-                if operation == "reset" and for_me:  # and no call asked for is left waiting
+                if operation == "reset":  # and no call asked for is left waiting
                     self._requests = {} if name is None else {
                         key: left for key, left in self._requests.items() if key != name}
                 kept = self._table.apply(operation, name, message.rank, message.value)
-                self._settings_rank = rank = self._rank()
-                self._settings = self._table.settings(rank)
+                self._settings = self._table.settings(self._rank())
             self._refresh()
         if not kept:
             self._say_once("full", f"thing: ignoring the REPL's settings for more than "
@@ -330,21 +315,11 @@ class Overrides:
 
     def settings(self) -> dict[Optional[str], Setting]:
         """What applies now, by name (None: every name without a setting of its own)."""
-        return dict(self._resolve())
+        return dict(self._settings)
 
     def requests(self) -> dict[str, int]:
         """Calls still requested, by name."""
         return dict(self._requests)
-
-    def _resolve(self) -> dict[Optional[str], Setting]:
-        """The settings for this process's rank now, worked out again if it changed."""
-        rank = self._rank()
-        with self._write:
-            if rank != self._settings_rank:
-                self._settings_rank = rank
-                self._settings = self._table.settings(rank)
-                self._refresh()
-            return self._settings
 
     def _forget_all(self) -> None:
         self._table = SettingsTable()
@@ -352,8 +327,7 @@ class Overrides:
         self._refresh()
 
     def _refresh(self) -> None:
-        # Statements for another rank too: catch() must see the rank change (see admit).
-        self.active = bool(self._table or self._requests)
+        self.active = bool(self._settings or self._requests)
         if self._throttles is not None:
             self._throttles.steered = self.active
 
