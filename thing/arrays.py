@@ -277,8 +277,8 @@ def _snapshot_tensor(tensor: Any, nbytes: int, readable: bool) -> Any:
     A plain tensor whose elements lie in its own memory in the order they
     travel (``readable``, see :func:`_check_memory`; contiguous, with no
     conjugate or negative bit still to apply) is copied from its data pointer:
-    a fifth of the time of a numpy view's copy, and the common case, a loss
-    caught right after a training step. Anything else goes through a numpy
+    half the time of a numpy view's copy, checks included, in the common case,
+    a loss caught right after a training step. Anything else goes through a numpy
     view; a tensor numpy cannot view is cloned by torch.
     """
     torch = sys.modules["torch"]
