@@ -275,16 +275,15 @@ def _snapshot_tensor(tensor: Any, nbytes: int, readable: bool) -> Any:
     """The bytes a CPU tensor sends, copied now with the GIL held (see _snapshot_array).
 
     A plain tensor whose elements lie in its own memory in the order they
-    travel (``readable``, see :func:`_check_memory`; contiguous, with no
-    conjugate or negative bit still to apply) is copied from its data pointer:
+    travel (``readable``, see :func:`_check_memory`, with no conjugate or
+    negative bit still to apply) is copied from its data pointer:
     half the time of a numpy view's copy, checks included, in the common case,
     a loss caught right after a training step. Anything else goes through a numpy
     view; a tensor numpy cannot view is cloned by torch.
     """
     torch = sys.modules["torch"]
     if (readable and _LITTLE_ENDIAN and type(tensor) in (torch.Tensor, torch.nn.Parameter)
-            and tensor.is_cpu and tensor.is_contiguous()
-            and not tensor.is_conj() and not tensor.is_neg()):
+            and tensor.is_cpu and not tensor.is_conj() and not tensor.is_neg()):
         return bytes_at(tensor.data_ptr(), nbytes)
     # .data, not .detach(): torch may release the GIL in detach(), never in .data.
     try:
@@ -294,9 +293,9 @@ def _snapshot_tensor(tensor: Any, nbytes: int, readable: bool) -> Any:
 
 
 def _check_memory(tensor: Any, nbytes: int) -> bool:
-    """Whether a tensor's elements all lie in memory of its own, to be read at its data
-    pointer (False for one that only torch can read); raises :class:`UnsupportedType` if
-    that memory is gone, or if the tensor has none that can be read.
+    """Whether a tensor's elements lie in memory of its own, in order from its data pointer
+    (False for a strided one, or one that only torch can read); raises
+    :class:`UnsupportedType` if that memory is gone, or if the tensor has none to read.
 
     FSDP frees a parameter's memory between uses by resizing its storage to
     nothing, and leaves the tensor as it was: reading it then, even with
@@ -317,9 +316,10 @@ def _check_memory(tensor: Any, nbytes: int) -> bool:
             "cannot send a tensor that has no data of its own (a wrapper subclass such as "
             "DTensor, or a tensor traced by torch.func.functionalize or torch.compile): "
             "catch a plain tensor (a DTensor's full_tensor() or to_local())") from None
+    contiguous = tensor.is_contiguous()
     if not nbytes:
-        return True
-    if tensor.is_contiguous():
+        return contiguous
+    if contiguous:
         end = tensor.storage_offset() * tensor.element_size() + nbytes
     else:
         last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
@@ -330,7 +330,7 @@ def _check_memory(tensor: Any, nbytes: int) -> bool:
             f"cannot send this tensor: its memory is gone ({available} bytes left of the "
             f"{end} it reads; FSDP frees parameters' memory between uses). "
             "Catch it while it is in use, with copy=True")
-    return True
+    return contiguous
 
 
 def _on_cpu(array: Any) -> bool:
