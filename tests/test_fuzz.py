@@ -511,6 +511,7 @@ def nasty_frames() -> dict[str, bytes]:
                                          payload24),
         "bytes-leaf-not-uint8": header_frame(_with_leaves(["bytes", "float32", [2, 3], False]),
                                              payload24),
+        "bytes-leaf-0-d": header_frame(_with_leaves(["bytes", "uint8", [], False]), b"A"),
         "value-deep-nesting": header_frame(_document(value=deep), payload24),
         "leaf-used-twice": header_frame(_document(value={"list": [{"leaf": 0}, {"leaf": 0}]}),
                                         payload24),

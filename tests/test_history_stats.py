@@ -102,6 +102,17 @@ def test_top_singular_values(server: thing.Server) -> None:
     assert value == pytest.approx(np.linalg.norm(u) * np.linalg.norm(v), rel=1e-9)
 
 
+def test_a_matrix_that_went_nan_has_no_spectral_norm_and_breaks_nothing() -> None:
+    # A diverged run's weights: LAPACK's SVD refuses them, and stats() and plot() raised.
+    store = HistoryStore()
+    diverged, infinite = np.eye(3), np.eye(3)
+    diverged[0, 1], infinite[2, 2] = np.nan, -np.inf
+    for step, matrix in enumerate((np.eye(3), diverged, infinite, np.full((3, 3), np.nan))):
+        store.add("w", matrix, (), 0, Sender("a:1"), call=step + 1)
+    spectral = _columns(stats_table(store, "w", spectral=True))["spectral"]
+    assert spectral == [pytest.approx(1.0), None, None, None]  # NaN: no number
+
+
 def test_a_plain_table_without_pandas_and_stats_of_a_recording(tmp_path: Path,
                                                                monkeypatch) -> None:
     store = HistoryStore()

@@ -23,7 +23,7 @@ import thing.repl
 import thing.reports
 from thing.arrays import LeafSpec
 from thing.captures import Sender
-from thing.store import RECORD_BYTES, HistoryStore
+from thing.store import RECORD_BYTES, Announcement, HistoryStore, UnsentNotice
 
 from .conftest import run_script, script_env, start_script
 
@@ -637,6 +637,26 @@ def test_summary_fits_the_width_with_every_column_it_can_have(
     lines = capsys.readouterr().out.splitlines()
     assert all(len(line) <= width for line in lines), "\n".join(lines)
     assert any("10/128" in line and "(64" in line and "3)" in line for line in lines)
+
+
+def test_summary_shows_max_items_of_the_on_demand_names_and_the_notices_too(
+        default: thing.Server, capsys) -> None:
+    # A job (or a peer) with hundreds of them would bury the names under them at every call.
+    sender = Sender("10.0.0.7:5000", "node", 4242)
+    for i in range(12):
+        default.store.note_available(Announcement(f"asked{i}", "torch.Tensor", (3,), "float32",
+                                                  None, sender, time.time()))
+        default.store.note_unsent(UnsentNotice(f"failed{i}", "Widget", "unsupported type",
+                                               None, sender, time.time()))
+    thing.summary(max_items=5)
+    out = capsys.readouterr().out
+    for kind, what in (("asked", "names"), ("failed", "notices")):
+        assert [i for i in range(12) if f"{kind}{i} " in out] == [7, 8, 9, 10, 11], out
+        assert f"7 more {what} (summary(max_items=None) shows all)" in out
+    thing.summary(max_items=None)
+    out = capsys.readouterr().out
+    assert "more" not in out
+    assert all(f"asked{i} " in out and f"failed{i} " in out for i in range(12))
 
 
 def test_capture_and_reports_show_as_html_in_notebooks(default: thing.Server) -> None:

@@ -712,6 +712,33 @@ def test_text_a_peer_chooses_cannot_break_or_hijack_the_terminal(field: str, evi
     assert "\x1b" not in result.stdout  # rich styles nothing into a pipe: any ESC is the peer's
 
 
+def test_numbers_and_text_a_peer_chooses_cannot_widen_the_summary(monkeypatch, capsys) -> None:
+    """A 300-digit rank, world size or pid is no number a sender has: it is dropped, not
+    shown (its column cannot give way). An announcement's long type and 64-d shape give way."""
+    monkeypatch.setenv("COLUMNS", "80")  # as a pipe
+    huge = 10**300
+    with thing.Server(port=0) as server:
+        server.start()
+        peer = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        peer.sendall(wire.encode_handshake({"hostname": "raw-peer", "pid": huge}))
+        assert recv_handshake(peer)[0] == wire.HANDSHAKE_OK
+        announcement = wire.encode_header("asked", wire.Payload(None, [], 0), {
+            "on_demand": {"type": "T" * 200, "shape": [2**61] * 64, "dtype": "D" * 40}})
+        with peer:
+            peer.sendall(frame_bytes(np.float32(1.0), "loss", 0,
+                                     {"rank": huge, "world_size": huge})
+                         + wire.encode_prefix(announcement, 0, 1, 0.0) + announcement
+                         + wire.encode_trailer(False))
+            assert stored_acks(peer.recv(4096, socket.MSG_WAITALL)) >= 1
+            poll(lambda: server.available(), what="the announcement")
+            sender = server.capture("loss").sender
+            assert (sender.rank, sender.world_size, sender.pid) == (None, None, 0)
+            server.summary()
+    lines = capsys.readouterr().out.splitlines()
+    assert "asked" in "\n".join(lines) and "loss" in "\n".join(lines)
+    assert max(map(len, lines)) <= 80, "\n".join(lines)
+
+
 # -- the token file ---------------------------------------------------------------------------
 
 

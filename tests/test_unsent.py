@@ -63,7 +63,7 @@ def test_what_cannot_be_sent_is_told_to_the_repl_once_per_name_and_reason(
                                        r"send it \(cannot send an object of type"):
         server.get("opaque")
     monkeypatch.setenv("COLUMNS", "200")
-    server.summary()
+    server.summary(max_items=None)  # all six notices
     out = capsys.readouterr().out
     assert "could not send" in out
     row = next(line for line in out.splitlines() if line.startswith("opaque "))

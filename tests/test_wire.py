@@ -328,6 +328,16 @@ def test_malformed_headers_are_protocol_errors(raw: bytes) -> None:
         wire.decode_header(raw, 24, LIMITS)
 
 
+@pytest.mark.parametrize("shape", [[], [2, 12]], ids=["0-d", "2-d"])
+def test_a_bytes_leaf_is_one_dimensional(shape: list[int]) -> None:
+    # What the REPL shows of a bytes value reads its length as its one extent.
+    raw = _header(leaves=[["bytes", "uint8", shape, False]])
+    with pytest.raises(ProtocolError, match="bytes leaves must be uint8 and 1-d"):
+        wire.decode_header(raw, max(1, 24 * len(shape)), LIMITS)
+    assert wire.decode_header(_header(leaves=[["bytes", "uint8", [24], False]]), 24,
+                              LIMITS).leaves[0].shape == (24,)
+
+
 @pytest.mark.parametrize("payload_len", [0, 23, 25, 24 * 2, 2**64 - 1])
 def test_payload_length_must_match_the_leaves(payload_len: int) -> None:
     with pytest.raises(ProtocolError, match="payload"):

@@ -104,9 +104,13 @@ def is_header_number(tree: Any) -> bool:
 
 def top_singular_value(capture: Capture) -> Optional[float]:
     """The largest singular value of a 2-D array capture (None for anything else); exact up
-    to 2**22 elements, by power iteration above."""
+    to 2**22 elements, by power iteration above; NaN for one that holds a NaN or an
+    infinity, whose norm is no number."""
     known = capture_stats(capture)
     if known.spectral is None and known.values is not None:
+        if known.values.finite < known.values.count:
+            known.spectral = math.nan  # LAPACK's SVD fails on it ("did not converge")
+            return known.spectral
         parts = capture.parts()
         if len(parts.specs) == 1 and len(parts.specs[0].shape) == 2 and parts.arrays[0].size:
             array = parts.arrays[0]

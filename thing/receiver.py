@@ -205,7 +205,7 @@ class Connection:
         self.sender = Sender(
             address=self.address,
             hostname=wire.printable(str(info.get("hostname", "?"))[:255]),
-            pid=_int_or(info.get("pid"), 0),
+            pid=_int_in(info.get("pid"), range(1 << 31)) or 0,
             run=_str_or(info.get("run"), MAX_RUN_NAME),
         )
         return self.sender
@@ -794,8 +794,9 @@ def _sender_of(meta: dict[str, Any], connection: Sender) -> Sender:
     rank, world_size = meta.get("rank"), meta.get("world_size")
     if rank is None and world_size is None:
         return connection
-    return dataclasses.replace(connection, rank=_int_or(rank, None),
-                               world_size=_int_or(world_size, None))
+    # Out of range, a number is nonsense, and a 300-digit one would widen every table.
+    return dataclasses.replace(connection, rank=_int_in(rank, wire.RANKS),
+                               world_size=_int_in(world_size, range(1, wire.RANKS.stop + 1)))
 
 
 def _notice_of(header: wire.FrameHeader, sender: Sender) -> UnsentNotice:
@@ -840,11 +841,14 @@ def _undelivered_of(meta: dict[str, Any]) -> dict[str, int]:
     if not isinstance(counts, dict):
         return {}
     return {reason: count for reason, count in counts.items()
-            if reason in NOT_DELIVERED_REASONS and _int_or(count, -1) in range(1 << 62)}
+            if reason in NOT_DELIVERED_REASONS and _int_in(count, range(1 << 62)) is not None}
 
 
-def _int_or(value: Any, default: Any) -> Any:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
+def _int_in(value: Any, numbers: range) -> int | None:
+    """``value`` if it is an int (not a bool) in ``numbers``, else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and value in numbers:
+        return value
+    return None
 
 
 def _str_or(value: Any, most: int = 1024) -> str | None:

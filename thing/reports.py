@@ -46,7 +46,8 @@ def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None 
     """A row per name (per name, run and rank when several runs or ranks send it), newest
     first.
 
-    ``max_items`` names are shown (``None``: all). A row shows the newest
+    ``max_items`` names are shown (``None``: all), and as many of the newest
+    names caught on demand and notices of what was not sent. A row shows the newest
     capture: shape, dtype, framework, the value itself for a scalar, how many
     versions are kept, when it arrived and who sent it; ``!`` marks a capture
     that is not consistent (changed after ``catch()`` before its send ended).
@@ -75,11 +76,8 @@ def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None 
     columns = [columns[i] for i in keep]
     rows = [[row[i] for i in keep] for row in rows]
 
-    notes = []
-    hidden = overview.name_count - len({capture.name for capture, _ in overview.names})
-    if hidden > 0:
-        notes.append(f"{hidden} more name{'s' if hidden != 1 else ''} "
-                     "(summary(max_items=None) shows all)")
+    notes = _more(overview.name_count - len({capture.name for capture, _ in overview.names}),
+                  "name")
     counts = [f"{overview.captures} captures kept", f"{overview.received} received",
               f"{overview.unnamed} unnamed", f"{overview.evicted} evicted"]
     if overview.rejected:
@@ -108,33 +106,48 @@ def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None 
         table = Table(f"{where}: {empty}", [], [], notes)
     else:
         table = Table(where, columns, rows, notes, _SUMMARY_GIVES_WAY)
-    return Report(table, on_demand_table(store.available()), unsent_table(overview.unsent))
+    return Report(table, on_demand_table(store.available(), max_items),
+                  unsent_table(overview.unsent, max_items))
 
 
-def on_demand_table(announced: list[Announcement]) -> Table | None:
-    """Names caught on demand: sent only when asked for with thing.request()."""
+def on_demand_table(announced: list[Announcement], max_items: int | None = None
+                    ) -> Table | None:
+    """Names caught on demand (the newest ``max_items``; None: all): sent only when asked
+    for with thing.request()."""
     if not announced:
         return None
     rows = [[a.name if a.name is not None else "(unnamed)",
              "-" if a.shape is None else shape_text(a.shape), a.dtype or a.type_name,
-             rank_text_of(a.sender), f"{a.sender.hostname}:{a.sender.pid}"] for a in announced]
+             rank_text_of(a.sender), f"{a.sender.hostname}:{a.sender.pid}"]
+            for a in announced[:max_items]]
     return Table("on demand (thing.request(name, count) sends the next calls)",
-                 [Column("name", 16, "middle"), Column("shape"), Column("dtype", 8),
-                  Column("rank"), Column("sender", 10, "middle")], rows, [],
+                 [Column("name", 16, "middle"), Column("shape", 9, "middle"),
+                  Column("dtype", 8), Column("rank"), Column("sender", 10, "middle")],
+                 rows, _more(len(announced) - len(rows), "name"),
                  [("shrink", "sender"), ("drop", "sender"), ("drop", "rank"),
-                  ("shrink", "name")])
+                  ("shrink", "dtype"), ("shrink", "shape"), ("shrink", "name")])
 
 
-def unsent_table(notices: list[UnsentNotice]) -> Table | None:
-    """What senders could not send, one row per name and reason (``describe`` has more)."""
+def unsent_table(notices: list[UnsentNotice], max_items: int | None = None) -> Table | None:
+    """What senders could not send, one row per name and reason, the newest ``max_items``
+    (None: all; ``describe`` has more)."""
     if not notices:
         return None
     rows = [[notice.name if notice.name is not None else "(unnamed)", notice.type_name,
-             notice.reason, sender_of(notice.sender)] for notice in notices]
+             notice.reason, sender_of(notice.sender)] for notice in notices[:max_items]]
     return Table("could not send", [Column("name", 16, "middle"), Column("type", 10),
                                     Column("reason", 20), Column("sender", 10)], rows,
-                 [], [("shrink", "sender"), ("drop", "sender"), ("shrink", "type"),
-                      ("shrink", "reason"), ("shrink", "name")])
+                 _more(len(notices) - len(rows), "notice"),
+                 [("shrink", "sender"), ("drop", "sender"), ("shrink", "type"),
+                  ("shrink", "reason"), ("shrink", "name")])
+
+
+def _more(hidden: int, what: str) -> list[str]:
+    """The note under a table cut at ``max_items`` rows."""
+    if hidden <= 0:
+        return []
+    return [f"{hidden} more {what}{'s' if hidden != 1 else ''} (summary(max_items=None) shows "
+            "all)"]
 
 
 # -- one capture -----------------------------------------------------------------------

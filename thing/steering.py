@@ -66,7 +66,7 @@ class Steering:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"a name is a str (or None: every name), not {name!r}")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
-                                 or not 0 <= rank < 1 << 31):
+                                 or rank not in wire.RANKS):
             raise ValueError(f"rank must be a rank number (or None: every rank), not {rank!r}")
         message = wire.encode_control(operation, name, rank, value)
         # What a client would refuse is refused here, with its reason.

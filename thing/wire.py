@@ -78,6 +78,8 @@ SEQ_OLDEST_UNANSWERED = (1 << 64) - 1
 CONTROL = struct.Struct("<2sHIqq")
 CONTROL_TAG = b"TC"
 NO_RANK = -(1 << 63)
+# What a rank may be, in a control message and in a frame's meta.
+RANKS = range(1 << 31)
 CONTROL_OPERATIONS = {1: "request", 2: "every", 3: "first", 4: "pause", 5: "resume",
                       6: "reset", 7: "forget", 8: "replayed"}
 CONTROL_CODES = {operation: code for code, operation in CONTROL_OPERATIONS.items()}
@@ -475,10 +477,10 @@ def _decode_leaves(raw: Any, limits: Limits) -> tuple[LeafSpec, ...]:
         known = isinstance(framework, str) and isinstance(dtype, str)
         if not known or framework not in (*FRAMEWORKS, "bytes") or dtype not in CARRIER_DTYPES:
             raise ProtocolError(f"unknown framework or dtype {framework!r}, {dtype!r}")
-        if framework == "bytes" and dtype != "uint8":
-            raise ProtocolError("bytes leaves must be uint8")
         if not isinstance(shape, list) or len(shape) > _NDIM_MAX:
             raise ProtocolError("leaf shape is not a list of at most 64 dimensions")
+        if framework == "bytes" and (dtype != "uint8" or len(shape) != 1):
+            raise ProtocolError("bytes leaves must be uint8 and 1-d")
         if not all(is_int(extent) and 0 <= extent <= _DIM_MAX for extent in shape):
             raise ProtocolError(f"leaf shape {shape!r} has a bad extent")
         if not isinstance(scalar, bool) or (scalar and shape):
@@ -822,7 +824,7 @@ def decode_control(prefix: bytes, raw_name: bytes) -> ControlMessage:
         name = raw_name.decode("utf-8") if raw_name else None
     except UnicodeDecodeError:
         raise BadControl("a control message's name is not UTF-8") from None
-    if rank != NO_RANK and not 0 <= rank < 1 << 31:
+    if rank != NO_RANK and rank not in RANKS:
         raise BadControl(f"a control message for rank {rank}")
     if operation in ("request", "every", "first"):
         least = 0 if operation == "first" else 1
