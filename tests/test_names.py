@@ -497,8 +497,8 @@ def test_no_column_positions_uses_the_one_catch_on_the_line(tmp_path):
     path = tmp_path / "train.py"
     path.write_text(script)
     output = run_python(tmp_path, "-X", "no_debug_ranges", str(path))
-    # Two catches on one line cannot be told apart without columns: one fallback name.
-    assert output == ["loss", "loss * 2", "<module>:12 <module>:12", "abs(loss)"]
+    # Two catches on one line cannot be traced without columns: a fallback name each.
+    assert output == ["loss", "loss * 2", "<module>:12 <module>:12_1", "abs(loss)"]
 
 
 def test_no_argument_falls_back(client):
@@ -510,6 +510,30 @@ def test_no_argument_falls_back(client):
 
     assert step() == fallback_name(step, 2)
     assert spread([1]) == fallback_name(spread, 2)
+
+
+def test_fallback_names_tell_call_sites_apart_and_keep_to_their_code(client):
+    """Without source, two catches on one line (python -c), or lines typed one by one at
+    python -i (each line 1 of its own code), are not one history; the same code run again
+    (a line typed again, exec in a loop) keeps its name."""
+    def run(source: str) -> list[str]:
+        namespace = {"client": client, "a": 1, "b": 2}
+        exec(source, namespace)
+        return namespace["names"]
+
+    assert run("names = [client.catch(a), client.catch(b)]") == ["<module>:1", "<module>:1_1"]
+    assert run("names = [client.catch(a)]") == ["<module>:1_2"]  # other code
+    assert run("names = [client.catch(b)]") == ["<module>:1_3"]
+    assert run("names = [client.catch(a)]") == ["<module>:1_2"]  # the same code again
+    assert run("names = [client.catch(a), client.catch(b)]") == ["<module>:1", "<module>:1_1"]
+    assert run("names = [client.catch(a + 1)]") == ["<module>:1_4"]  # its constants differ
+
+
+def test_a_long_traced_name_is_cut_and_stays_apart_from_others(client):
+    first = client.catch([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72])  # noqa: E501
+    second = client.catch([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 99])  # noqa: E501
+    assert len(first) == len(second) == 256 and first != second
+    assert first.startswith("[1, 2, 3,") and first[-9] == "…"
 
 
 def test_deleted_file_falls_back(client, tmp_path):

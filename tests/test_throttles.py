@@ -63,6 +63,11 @@ os.environ["THING_MAX_NAMES"] = "8"
 client = thing.Client("127.0.0.1", 1)
 out["a client's own counts"] = marks([client.catch(1.0, name="n", every=3) for _ in range(4)])
 
+def wrapper(v):  # a job's own helper, which names what its caller passes it
+    return client.catch(v, every=2, _depth=2)
+
+out["through a wrapper"] = marks([wrapper(float(v)) for v in range(5)])
+
 def forgetful(v):
     return client.catch(v, every=3)
 
@@ -118,6 +123,7 @@ EXPECTED = {
     "on_demand=False": "xSxS",
     "on demand, not asked for": "SSS",
     "a client's own counts": "xSSx",
+    "through a wrapper": "xSxSx",
     "forgotten, then back": "xSxS",
     "a forked child counts on": "xS|Sx",
 }

@@ -78,8 +78,8 @@ def snapshot_bytes() -> int:
 def max_names() -> int:
     """Names whose ``every=``/``first=`` counts and call sites a client remembers
     (``THING_MAX_NAMES``, 10,000); beyond it the least recently caught are forgotten, an
-    eighth at a time (their counting restarts)."""
-    return _env_int("THING_MAX_NAMES", 10_000)
+    eighth at a time (their counting restarts). At least 1."""
+    return max(_env_int("THING_MAX_NAMES", 10_000), 1)
 
 
 def max_servers() -> int:

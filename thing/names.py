@@ -18,9 +18,15 @@ Source is read through :mod:`linecache`, which is also where IPython and Jupyter
 the text of their cells.
 
 Fallback rule: when the source is not available (``python -c`` before Python 3.13, ``exec``
-of a string, a deleted file) or cannot be matched to the call, the capture is named
-``<function>:<line>``, after the qualified name of the calling function and the line of the
-call, for example ``<module>:3`` or ``Trainer.step:42``.
+of a string, a deleted file, ``python -i``) or cannot be matched to the call, the capture is
+named ``<function>:<line>``, after the qualified name of the calling function and the line of
+the call, for example ``<module>:3`` or ``Trainer.step:42``. Such a name stands for its call
+site, not for an expression: two catches on one line (or every line typed at ``python -i``,
+each line 1) are told apart by the code they are in, as ``<module>:1``, ``<module>:1_1``...;
+the same code run again keeps its name.
+
+A traced name longer than ``MAX_TRACED_NAME`` characters (a long literal argument) is cut to
+its start, ``…`` and a hash of the whole text, so different texts stay different names.
 
 One variable is one history: a name is keyed by the module (its ``__name__``), the
 qualified name of the calling function and the expression, not by the line. The same
@@ -34,6 +40,7 @@ keeps its name for the life of the process.
 from __future__ import annotations
 
 import ast
+import hashlib
 import io
 import itertools
 import keyword
@@ -60,6 +67,9 @@ _LAYOUT_TOKENS = frozenset(
         tokenize.ENDMARKER,
     }
 )
+# The longest traced name; a longer one is cut (a server refuses names past 4 KiB, and a
+# table shows a few dozen characters).
+MAX_TRACED_NAME = 256
 _OPENING = frozenset({"(", "[", "{"})
 _CLOSING_OR_JOINING = frozenset({")", "]", "}", ".", ","})
 # Python 3.12+ tokenizes f-strings into parts; earlier versions have no such tokens.
@@ -102,7 +112,8 @@ class NameTracer:
         self._sites: dict[tuple[int, int], tuple[CallSite, Any]] = {}  # for name= captures
         # Everything below is touched only when a call site is seen for the first time.
         self._lock = threading.Lock()
-        self._by_key: dict[tuple[str, str, str], str] = {}  # (module, function, text) -> name
+        # (module, function, text) -> name; a fallback text's key has the site's code too.
+        self._by_key: dict[tuple[Any, ...], str] = {}
         self._taken: set[str] = set()
         self._next_suffix: dict[str, int] = {}
         # filename -> (the lines linecache gave, their text, its parse); for the line-based
@@ -154,15 +165,18 @@ class NameTracer:
             text = self._trace(frame, site)
         except Exception as exc:  # a name is never worth failing a training step for
             log.debug("could not trace a capture name (%r); using a fallback", exc)
-            text = _fallback_name(site)
+            text = None
         # Interactive code (IPython and Jupyter cells, python -i, exec of a string) runs in
         # __main__, or in a namespace without a name: one module, so a re-run cell keeps
         # its names.
-        key = (str(frame.f_globals.get("__name__", "__main__")), site.function, text)
+        key: tuple[Any, ...] = (str(frame.f_globals.get("__name__", "__main__")),
+                                site.function, text)
+        if text is None:  # one name per call site, told apart by its code's content
+            key = (*key[:2], _fallback_name(site), _code_at(code, frame.f_lasti))
         with self._lock:
             name = self._by_key.get(key)
             if name is None:
-                name = self._by_key[key] = self._claim(text)
+                name = self._by_key[key] = self._claim(key[2])
             cache = self._by_instruction
             # A stale entry goes to the back; a live one is there only if another thread
             # traced the same instruction just now, maybe in another module's globals.
@@ -191,8 +205,9 @@ class NameTracer:
         self._taken.add(name)
         return name
 
-    def _trace(self, frame: types.FrameType, site: CallSite) -> str:
-        """The normalised source text of the call's first argument, else the fallback name."""
+    def _trace(self, frame: types.FrameType, site: CallSite) -> Optional[str]:
+        """The normalised source text of the call's first argument (cut to
+        ``MAX_TRACED_NAME``); None if the source does not say."""
         code = frame.f_code
         lines = linecache.getlines(code.co_filename, frame.f_globals)
         positions = _call_positions(code, frame.f_lasti)
@@ -206,7 +221,11 @@ class NameTracer:
             why = "no source" if not lines else "no single first argument found in the source"
             log.debug("%s for the capture at %s:%s; using a fallback name",
                       why, site.file, site.line)
-            return _fallback_name(site)
+            return None
+        if len(argument) > MAX_TRACED_NAME:
+            digest = hashlib.blake2b(argument.encode("utf-8", "surrogatepass"),
+                                     digest_size=4).hexdigest()
+            argument = f"{argument[:MAX_TRACED_NAME - 9]}…{digest}"
         return argument
 
     def _argument_on_line(self, filename: str, lines: list[str], line: int) -> Optional[str]:
@@ -270,6 +289,13 @@ def call_site(frame: types.FrameType) -> CallSite:
 
 def _fallback_name(site: CallSite) -> str:
     return f"{site.function}:{site.line}"
+
+
+def _code_at(code: types.CodeType, lasti: int) -> int:
+    """What tells a call site without source from another on the same line: the content of
+    its code (not the object: the same line run again is compiled again) and the call's
+    place in it."""
+    return hash((code.co_code, code.co_consts, code.co_names, code.co_varnames, lasti))
 
 
 def _call_positions(code: types.CodeType, lasti: int) -> Optional[tuple[int, int, int, int]]:

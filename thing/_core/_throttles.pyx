@@ -287,7 +287,10 @@ def gated(catch, Throttles throttles, skipped):
     """
 
     def gate(obj, name=None, server=None, every=1, first=None, *, copy=None, block=False,
-             step=None, on_demand=False):
+             step=None, on_demand=False, int _depth=1):
+        if _depth != 1:  # a helper's catch(..., _depth=2): its caller's call site counts
+            return catch(obj, name, server, every, first, copy=copy, block=block, step=step,
+                         on_demand=on_demand, _depth=_depth)
         if on_demand is False:
             if throttles.skips(name, every, first):
                 return skipped
