@@ -208,6 +208,10 @@ def test_a_catch_waiting_for_room_when_the_client_closes_is_told_so(monkeypatch,
         assert waiting[0].done and waiting[0].error == "not sent: the client is closed"
         assert client._queue.items == 0 and client._queue.bytes == 0  # every place given back
         assert client.undelivered == {"closed": 2}
+        # After the close: told so, and counted, as every capture not delivered is.
+        late = client.catch(1.0, name="late")
+        assert late.error == "not sent: the client is closed"
+        assert client.undelivered == {"closed": 3}
     finally:
         client.close()
         stalled.close()

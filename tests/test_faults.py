@@ -173,6 +173,35 @@ sys.stdin.readline()
 """
 
 
+def test_a_job_whose_servers_never_answer_exits_in_its_flush_timeout_and_a_bit() -> None:
+    """Eight servers that take the connection and never answer the handshake (stopped, or
+    hung): the job's exit waits for their channels together, not up to 2 s after 2 s."""
+    silent = []
+    for _ in range(8):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        silent.append(listener)
+    servers = ",".join(f"127.0.0.1:{listener.getsockname()[1]}" for listener in silent)
+    try:
+        started = time.monotonic()
+        job = start_script(
+            """
+            import os, numpy as np, thing
+            for server in os.environ["SERVERS"].split(","):
+                thing.catch(np.zeros(1 << 17), name="x", server=server)
+            print("exiting", flush=True)
+            """, SERVERS=servers, THING_TRANSPORT="tcp", THING_FLUSH_TIMEOUT="0.5")
+        out, err = job.communicate(timeout=60)
+        took = time.monotonic() - started
+        assert job.returncode == 0 and "exiting" in out, err
+        # The flush (0.5 s), then one wait for all the channels (2 s); 9 s or so before.
+        assert took < 5.0, took
+    finally:
+        for listener in silent:
+            listener.close()
+
+
 @pytest.mark.parametrize(
     ("stop_in", "end"), [("payload", "kill"), ("payload", "close"), ("header", "kill")]
 )

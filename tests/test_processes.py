@@ -8,7 +8,10 @@ the child.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,7 +21,7 @@ import pytest
 
 import thing
 
-from .conftest import run_script, script_env
+from .conftest import expect_line, poll, run_script, script_env, start_script
 
 
 def run_file(directory: Path, code: str, port: int, timeout: float) -> None:
@@ -120,6 +123,68 @@ def test_children_forked_right_after_the_first_catch_all_deliver(server: thing.S
         timeout=180,
     )
     assert sorted(server.get_all("child")) == list(range(80))
+
+
+def test_a_child_forked_while_another_thread_makes_the_client_catches_at_once(
+        server: thing.Server) -> None:
+    """A thread's first catch makes the default client (imports and all, under a lock); a
+    fork meanwhile left the child that lock held by a thread it does not have."""
+    run_script(
+        """
+        import os, threading, time, thing
+
+        making = threading.Event()
+        made = thing.Client.__init__
+
+        def slowly_made(self, *args, **kwargs):  # as a cold import of the sending side
+            making.set()
+            time.sleep(0.3)
+            made(self, *args, **kwargs)
+
+        thing.Client.__init__ = slowly_made
+        first = threading.Thread(target=thing.catch, args=(1.0,), kwargs={"name": "thread"})
+        first.start()
+        assert making.wait(10)
+        child = os.fork()
+        if child == 0:
+            code = 0 if thing.catch(2.0, name="child").wait(30) else 1
+            os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        first.join(10)
+        """,
+        server.port,
+        timeout=60,
+    )
+    assert server.get("child") == 2.0 and server.get("thread") == 1.0
+
+
+def test_a_job_that_dies_is_seen_to_leave_though_its_forked_child_lives_on(
+        server: thing.Server) -> None:
+    """A child kept copies of its parent's connection: the REPL listed a job killed an hour
+    ago as connected for as long as its DataLoader worker ran."""
+    job = start_script(
+        """
+        import os, sys, thing
+        assert thing.catch(1.0, name="parent").wait(30)
+        child = os.fork()
+        if child == 0:
+            sys.stdin.readline()  # until the test is done
+            os._exit(0)
+        print("child", child, flush=True)
+        sys.stdin.readline()
+        """, server.port, stdin=True)
+    child = int(expect_line(job, "child").split()[1])
+    try:
+        assert [sender.pid for sender in server.clients()] == [job.pid]
+        job.kill()
+        job.wait(10)
+        poll(lambda: not server.clients(), 10, "the killed job's connection to end")
+        os.kill(child, 0)  # still running
+    finally:
+        job.stdin.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
 
 
 def test_mp_spawn_ranks_are_read_at_the_call(server: thing.Server, tmp_path: Path) -> None:

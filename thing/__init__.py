@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -223,3 +224,35 @@ def _make_default_client() -> Client:
             # THING_SERVER / THING_PORT, as any Client()
             _default_client = Client(_throttles=_default_throttles)
         return _default_client
+
+
+# A fork while another thread makes the default client (which imports the sending side)
+# would leave the child this lock, and the imports' own locks, held by a thread it does not
+# have: its first catch would wait forever. So a fork waits until the client is made (a
+# few milliseconds, once), or, with the lock held longer than any making takes, leaves the
+# child a lock of its own.
+_FORK_WAITS_FOR_THE_CLIENT = 10.0
+_lock_held_at_fork = False
+
+
+def _before_fork() -> None:
+    global _lock_held_at_fork
+    _lock_held_at_fork = _default_client_lock.acquire(timeout=_FORK_WAITS_FOR_THE_CLIENT)
+
+
+def _after_fork_in_parent() -> None:
+    if _lock_held_at_fork:
+        _default_client_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    global _default_client_lock
+    if _lock_held_at_fork:
+        _default_client_lock.release()
+    else:
+        _default_client_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)

@@ -214,6 +214,8 @@ class Channel:
             pending.payload.hold(copy, snapshot_bytes)
         with self._mutex:
             if self._closed:
+                if pending.notice is None:
+                    self._room.undelivered["closed"] += 1
                 return CLOSED
             if self.down:  # failed since the caller looked: queued now, it would wait for
                 # the next attempt and be told that one's reason, not its own
@@ -293,8 +295,24 @@ class Channel:
             with contextlib.suppress(OSError):  # a byte is waiting already
                 self._wake_write.send(b"\0")
 
+    def let_go_in_child(self) -> None:
+        """In a forked child: close its copies of the parent's sockets (closing, not shutting
+        down, which would end the parent's connection), so that the parent's connection
+        ends when the parent does, not when the last of its children does."""
+        for sock in (self._sock, self._wake_read, self._wake_write):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+
     def close(self, timeout: float = 2.0) -> None:
-        """Stop: queued captures are told the client closed, in-flight ones too unless acked."""
+        """Stop: queued captures are told the client closed, in-flight ones too unless acked
+        within ``timeout`` seconds (the sender thread's end is waited for that long)."""
+        self.stop()
+        self.join(timeout)
+
+    def stop(self) -> None:
+        """The first half of :meth:`close`: stop sending, and tell the queued captures so;
+        a client stops all its channels before it waits for any."""
         with self._mutex:
             self._closed = True
             dropped = self._take_queue("closed")
@@ -305,6 +323,10 @@ class Channel:
         if sock is not None:  # a send under way ends; the answers that came are still read
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_WR)
+
+    def join(self, timeout: float) -> None:
+        """The second half of :meth:`close`: wait up to ``timeout`` seconds for the sender to
+        read the answers that came, then tell the captures still unanswered."""
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._fail_inflight("closed", _CLOSED_IN_FLIGHT)

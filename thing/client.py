@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("thing")
 
+# How long close() waits, at most, for its channels' threads to read their last answers
+# and end (after any flush).
+CLOSE_SECONDS = 2.0
+
 __all__ = ["CaptureHandle", "Client"]
 
 
@@ -235,6 +239,8 @@ class Client:
                 site = self._names.site_for(sys._getframe(_depth))
             channel = self._channels.get(server) or self._open_channel(server)
             if channel is None:
+                with self._lock:
+                    self._queue.undelivered["closed"] += 1
                 return CLOSED
             if channel.down:
                 with self._lock:
@@ -348,8 +354,13 @@ class Client:
             self._closed = True
             channels = set(self._channels.values())
             self._channels.clear()
+        # All stop first, then all are waited for together: a job that sent to several
+        # servers that stopped answering exits in CLOSE_SECONDS, not in that many each.
         for channel in channels:
-            channel.close()
+            channel.stop()
+        deadline = time.monotonic() + CLOSE_SECONDS
+        for channel in channels:
+            channel.join(max(deadline - time.monotonic(), 0.0))
 
     def connected(self, server: str | None = None) -> bool:
         """True while the client holds a connection to the (default) server."""
@@ -410,6 +421,8 @@ def _after_fork_in_child() -> None:
     # The parent's queue, sockets and threads are not ours: start afresh. The parent's
     # captures stay the parent's to deliver; its names stay the same names here.
     for client in list(_live_clients):
+        for channel in set(client._channels.values()):
+            channel.let_go_in_child()
         client._start_afresh()
         client._names.after_fork()
         client._rank.after_fork()
