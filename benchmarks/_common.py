@@ -180,13 +180,34 @@ def start_thing_server(history: bool = False, **env: str) -> tuple[Child, int]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time a process has used so far, all its threads (Linux)."""
+    """CPU time a process has used so far, all its threads (Linux).
+
+    ``/proc/PID/stat`` counts in clock ticks (10 ms): 500 captures at 100 µs each
+    would read as 5 ticks, give or take one. So each live thread's time is read to
+    the nanosecond from its ``schedstat``, and only the threads that already ended
+    are counted in ticks (what the process's ticks hold beyond its live threads').
+    """
+    ticks = os.sysconf("SC_CLK_TCK")
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
+        whole = _ticks(f"/proc/{pid}/stat")
+        live_ticks = live_ns = 0
+        for task in os.scandir(f"/proc/{pid}/task"):
+            try:
+                live_ticks += _ticks(f"{task.path}/stat")
+                with open(f"{task.path}/schedstat") as schedstat:
+                    live_ns += int(schedstat.read().split()[0])
+            except (OSError, ValueError):
+                pass  # the thread ended while we looked: counted in ticks
     except OSError:
         return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return live_ns / 1e9 + max(whole - live_ticks, 0) / ticks
+
+
+def _ticks(path: str) -> int:
+    """User plus system clock ticks in a ``/proc`` ``stat`` file."""
+    with open(path) as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
 
 
 def median(values: list[float]) -> float:
