@@ -152,6 +152,24 @@ def test_a_size_that_is_no_size_is_refused_with_one_line(tmp_path: Path, size: s
     assert f"{size!r}" in result.stderr.splitlines()[-1]
 
 
+@pytest.mark.parametrize("arguments", [
+    ["record", "REC", "--segment-seconds", "inf"],  # lost every capture, and said 0 recorded
+    ["record", "REC", "--segment-seconds", "nan"],
+    ["record", "REC", "--segment-seconds", "-1"],
+    ["record", "REC", "--port", "99999"],  # a traceback from bind()
+    ["serve", "--port", "-5"],
+    ["demo", "--steps", "0"],  # a traceback from get()
+], ids=lambda arguments: " ".join(arguments[-2:]))
+def test_a_number_out_of_range_is_refused_with_one_line(tmp_path: Path,
+                                                         arguments: list[str]) -> None:
+    arguments = [str(tmp_path / "rec") if a == "REC" else a for a in arguments]
+    result = subprocess.run([sys.executable, "-m", "thing", *arguments], env=script_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{arguments[-1]!r}" in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "rec").exists()
+
+
 def test_main_returns_an_exit_status_in_process() -> None:
     out = run_script(textwrap.dedent("""
         from thing.cli import main

@@ -11,7 +11,6 @@ them reaches the store.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from pathlib import Path
@@ -26,6 +25,7 @@ import thing
 from thing.captures import Capture, Sender
 from thing.errors import BadRecording, ThingError
 from thing.recording import segment_path, segments_of
+from thing.segments import write_unflushed
 from thing.store import HistoryStore
 
 from .conftest import run_script
@@ -215,12 +215,33 @@ def test_loaded_arrays_are_mapped_not_read(tmp_path: Path) -> None:
     base = array
     while isinstance(base, np.ndarray):
         base = base.base
-    assert isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap)  # not a copy
+    assert isinstance(base, memoryview) and isinstance(base.obj, thing._core.PrivateMapping)
     assert loaded.held_bytes < 1 << 20  # its record only: the bytes stay in the file
     array[0] = 99  # copy-on-write: this process's copy, not the file
     reloaded = HistoryStore()
     reloaded.load(tmp_path / "big")
     assert reloaded.get("big").value[0] == 0
+
+
+def test_a_recording_of_more_segments_than_open_files_allowed_loads(tmp_path: Path) -> None:
+    """A mapping kept a duplicate of its file's descriptor: a few hours of a recorder's
+    segments (one every 10 s) passed the usual limit of 1,024 and no longer loaded."""
+    store = HistoryStore()
+    for number in range(1, 301):
+        store.add("w", np.arange(4, dtype=np.float32), (), 16, Sender("a:1"), call=number)
+        written, _ = write_unflushed(segment_path(tmp_path, number), [store.get("w")])
+        os.replace(written, segment_path(tmp_path, number))
+    run_script(f"""
+        import resource, numpy as np
+        from thing.store import HistoryStore
+        resource.setrlimit(resource.RLIMIT_NOFILE, (100, resource.getrlimit(
+            resource.RLIMIT_NOFILE)[1]))
+        loaded = HistoryStore()
+        assert loaded.load({str(tmp_path)!r}) == 300
+        assert [c.call for c in loaded.get_all("w")] == list(range(1, 301))
+        assert all((c.value == np.arange(4, dtype=np.float32)).all()
+                   for c in loaded.get_all("w"))
+    """, None)
 
 
 def test_captures_with_large_headers_are_spread_over_segments(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import thing
+from thing.captures import Sender
 from thing.errors import ThingError
 from thing.recorder import DISK_FULL, FALLING_BEHIND, Recorder
 from thing.recording import segments_of
@@ -118,6 +119,14 @@ def test_a_recorder_killed_at_random_moments_always_leaves_a_recording(tmp_path:
     assert len(reported) >= 20 and len(_steps(directory)) > 100
 
 
+@pytest.mark.parametrize("seconds", [float("inf"), 1e300, float("nan"), 0.0, -1.0])
+def test_a_segment_time_that_is_no_time_is_refused(tmp_path: Path, seconds: float) -> None:
+    # inf overflowed the writer's wait: every capture was lost, and 0 reported recorded.
+    with pytest.raises(ValueError, match="segment_seconds must be more than 0"):
+        Recorder(HistoryStore(), tmp_path / "rec", segment_seconds=seconds)
+    assert not (tmp_path / "rec").exists()
+
+
 def test_a_full_disk_drops_counted_captures_and_writing_resumes(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
@@ -182,10 +191,20 @@ def test_a_sender_faster_than_the_writer_is_slowed_not_dropped(tmp_path: Path) -
     assert recorded.overview().undelivered == {FALLING_BEHIND: hasty.dropped[FALLING_BEHIND]}
 
 
-def test_one_recorder_per_directory(tmp_path: Path) -> None:
+def test_one_writer_per_directory(tmp_path: Path) -> None:
     store = HistoryStore()
-    with Recorder(store, tmp_path / "rec"), pytest.raises(ThingError, match="another recorder"):
-        Recorder(HistoryStore(), tmp_path / "rec").start()
+    with Recorder(store, tmp_path / "rec") as recorder:
+        with pytest.raises(ThingError, match="a recorder is writing to"):
+            Recorder(HistoryStore(), tmp_path / "rec").start()
+        # Before its first segment: the recorder would have written it over the saved one.
+        store.add("saved", 1.0, (), 0, Sender("a:1"))
+        with pytest.raises(ThingError, match="a recorder is writing to"):
+            store.save(tmp_path / "rec")
+        store.add("recorded", 2.0, (), 0, Sender("a:1"))
+    assert recorder.written >= 1
+    loaded = HistoryStore()
+    loaded.load(tmp_path / "rec")
+    assert loaded.get("recorded").value == 2.0
 
 
 def test_serve_with_record_then_open_it(tmp_path: Path) -> None:

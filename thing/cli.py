@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                     "server running in the background and thing imported.")
     serve.add_argument("--host", help="interface to listen on (default THING_HOST or 127.0.0.1; "
                                       "0.0.0.0 accepts other machines)")
-    serve.add_argument("--port", type=int,
+    serve.add_argument("--port", type=_port,
                        help="port to listen on (default THING_PORT or 2875; 0: any free port)")
     serve.add_argument("--plain", action="store_true",
                        help="use Python's own REPL even if IPython is installed")
@@ -56,14 +57,14 @@ def main(argv: list[str] | None = None) -> int:
                     "line for each). Open it later with `thing open DIR` or thing.load(DIR).")
     record.add_argument("directory", metavar="DIR")
     record.add_argument("--host", help="interface to listen on (as for serve)")
-    record.add_argument("--port", type=int, help="port to listen on (as for serve)")
+    record.add_argument("--port", type=_port, help="port to listen on (as for serve)")
     for command in (serve, record):
         command.add_argument("--max-bytes", type=_size, metavar="SIZE",
                              help="keep the recording under SIZE on disk (e.g. 20G), deleting "
                                   "its oldest segments first (default: no limit)")
         command.add_argument("--segment-bytes", type=_size, default=64 << 20, metavar="SIZE",
                              help="start a new segment file after SIZE of arrays (default 64M)")
-        command.add_argument("--segment-seconds", type=float, default=10.0, metavar="S",
+        command.add_argument("--segment-seconds", type=_seconds, default=10.0, metavar="S",
                              help="write a segment at most S seconds after its first capture: "
                                   "a crash loses at most that (default 10)")
     open_ = commands.add_parser(
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         "demo", help="train a small model in another process and show what it sent",
         description="Start a server, train a small model in a separate process that catches "
                     "its loss, a weight matrix and activations, then summarise what arrived.")
-    demo.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
+    demo.add_argument("--steps", type=_steps, default=100, help="training steps (default 100)")
     demo.add_argument("--numpy", action="store_true", help="use numpy even if torch is installed")
     demo.add_argument("--record", metavar="DIR",
                       help="also record what arrives into DIR (then: thing open DIR)")
@@ -217,6 +218,42 @@ def _recorder_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _port(text: str) -> int:
+    """A port number, 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r} (0 to 65535; 0: any free one)")
+    return port
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds a segment may stay open (see ``Recorder``)."""
+    from .recorder import MAX_SEGMENT_SECONDS
+
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_SEGMENT_SECONDS):
+        raise argparse.ArgumentTypeError(
+            f"not a number of seconds: {text!r} (more than 0, at most {MAX_SEGMENT_SECONDS:g})")
+    return seconds
+
+
+def _steps(text: str) -> int:
+    """A number of training steps, at least 1."""
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = 0
+    if steps < 1:
+        raise argparse.ArgumentTypeError(f"not a number of steps: {text!r} (at least 1)")
+    return steps
 
 
 def _size(text: str) -> int:

@@ -20,8 +20,8 @@ segment that can be written; writing resumes by itself when there is room.
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
+import math
 import os
 import queue
 import threading
@@ -32,8 +32,7 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 from .captures import Capture
-from .errors import ThingError
-from .recording import TEMPORARY_NAME, PathLike, segment_path, segments_of
+from .recording import TEMPORARY_NAME, PathLike, lock_for_writing, segment_path, segments_of
 from .segments import commit, write_segment, write_unflushed
 from .store import HistoryStore
 
@@ -42,7 +41,8 @@ log = logging.getLogger("thing")
 DISK_FULL = "disk full"
 FALLING_BEHIND = "recorder behind"  # more waiting to be written than it may hold
 CLOSED = "recorder closed"  # stored as the recorder closed, after its last segment
-LOCK_NAME = ".thing-recorder.lock"
+# The longest a segment may stay open: a week (a crash loses what it holds).
+MAX_SEGMENT_SECONDS = 7 * 24 * 3600.0
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -87,6 +87,10 @@ class Recorder:
                  segment_captures: int = 10_000, segment_seconds: float = 10.0,
                  max_pending_bytes: Optional[int] = None, max_wait: float = 10.0,
                  on_segment: Optional[Callable[[SegmentWritten], None]] = None):
+        if not (math.isfinite(segment_seconds) and 0 < segment_seconds <= MAX_SEGMENT_SECONDS):
+            # inf or 1e300 overflowed the writer's wait, which then lost every capture.
+            raise ValueError(f"segment_seconds must be more than 0 and at most "
+                             f"{MAX_SEGMENT_SECONDS:g}, not {segment_seconds!r}")
         self.store = store
         self.directory = Path(directory)
         self.max_bytes = max_bytes
@@ -120,7 +124,7 @@ class Recorder:
         if self._thread is not None:
             return self
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._lock_file = _lock(self.directory)
+        self._lock_file = lock_for_writing(self.directory)
         for entry in os.scandir(self.directory):  # a crashed writer's half-written segment
             if TEMPORARY_NAME.fullmatch(entry.name):
                 os.unlink(entry.path)
@@ -316,13 +320,3 @@ class Recorder:
             total -= size
         return kept
 
-
-def _lock(directory: Path) -> int:
-    """Hold the directory's recorder lock (released when the descriptor closes)."""
-    descriptor = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(descriptor)
-        raise ThingError(f"another recorder is writing to {directory}") from None
-    return descriptor

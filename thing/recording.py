@@ -9,6 +9,7 @@ killed mid-write was appending to it.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
@@ -28,6 +29,7 @@ SEGMENT_NAME = re.compile(r"segment-(\d{6,18})\.safetensors")
 # A segment's temporary name while it is written; left behind only by a crash.
 TEMPORARY_NAME = re.compile(r"\.segment-(\d{6,18})\.safetensors\.tmp")
 SAVE_SEGMENT_BYTES = 1 << 30  # save() starts a new file after this many bytes of arrays
+WRITER_LOCK = ".thing-recorder.lock"  # see lock_for_writing
 
 
 def segment_path(directory: Path, number: int) -> Path:
@@ -46,14 +48,37 @@ def segments_of(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def lock_for_writing(directory: Path) -> int:
+    """Hold ``directory``'s writer lock, which a recorder holds while it runs and a save
+    while it saves (released when the descriptor closes); ThingError if another holds it."""
+    # O_NOFOLLOW: the lock is the recording's own file, never a link to elsewhere.
+    descriptor = os.open(directory / WRITER_LOCK,
+                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise ThingError(f"a recorder is writing to {directory}; use another directory"
+                         ) from None
+    return descriptor
+
+
 def save(store: HistoryStore, path: PathLike, names: Iterable[str] | None = None) -> int:
     """Write the kept history (every capture, or those of ``names``) as a new recording at
     ``path``; return how many captures were written. ``path`` is created; one that holds a
-    recording already is refused."""
+    recording already, or that a recorder is writing to, is refused."""
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    if segments_of(directory):
-        raise ThingError(f"{directory} holds a recording already; save to a new directory")
+    lock = lock_for_writing(directory)  # a recorder would write its first segment over ours
+    try:
+        if segments_of(directory):
+            raise ThingError(f"{directory} holds a recording already; save to a new directory")
+        return _save(store, directory, names)
+    finally:
+        os.close(lock)
+
+
+def _save(store: HistoryStore, directory: Path, names: Iterable[str] | None) -> int:
     if names is None:
         captures = store.recent(len(store))[::-1]
     else:

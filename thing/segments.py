@@ -21,7 +21,6 @@ import errno
 import json
 import logging
 import math
-import mmap
 import os
 import re
 import stat
@@ -34,6 +33,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from . import wire
+from ._core import PrivateMapping
 from .arrays import CARRIER_DTYPES, LeafSpec
 from .captures import Capture, Sender
 from .errors import BadRecording, ProtocolError
@@ -258,7 +258,9 @@ def _read(path: Path, known_headers: KnownHeaders) -> Segment:
         size = info.st_size
         if size < 8:
             raise BadRecording(f"{path} is truncated: {size} bytes")
-        mapped = mmap.mmap(descriptor, size, access=mmap.ACCESS_COPY)
+        # Not mmap.mmap, which keeps a duplicate of the descriptor while it lives: a
+        # recording of more segments than the process may open descriptors would not load.
+        mapped = PrivateMapping(descriptor, size)
     finally:
         os.close(descriptor)
     (header_len,) = struct.unpack_from("<Q", mapped, 0)
@@ -267,9 +269,9 @@ def _read(path: Path, known_headers: KnownHeaders) -> Segment:
                            f"holds {size - 8} after the length")
     if header_len % 8:  # padded so that every array lies aligned in memory, once mapped
         raise BadRecording(f"{path}: its header is not padded to a multiple of 8 bytes")
-    raw = mapped[8:8 + header_len]
+    raw = bytes(memoryview(mapped)[8:8 + header_len])
     _check_cost(raw, path)
-    document = wire.load_json(raw, "safetensors header", BadRecording)
+    document = wire.load_json(raw, f"{path}: its safetensors header", BadRecording)
     if not isinstance(document, dict):
         raise BadRecording(f"{path}: the safetensors header is not a JSON object")
     metadata = document.pop("__metadata__", None)
@@ -364,7 +366,7 @@ def _tensor_table(document: dict[str, Any], data_len: int, path: Path) -> dict[s
     return tensors
 
 
-def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: mmap.mmap,
+def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: PrivateMapping,
              data_start: int, limits: wire.Limits, known_headers: KnownHeaders,
              path: Path) -> LoadedCapture:
     where = f"{path}, capture {index}"
