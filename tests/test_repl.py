@@ -61,6 +61,20 @@ def test_functions_before_serve_say_to_call_serve(no_default: None) -> None:
             call()
 
 
+def test_serve_after_the_server_was_closed_keeps_its_history(no_default: None,
+                                                             monkeypatch) -> None:
+    monkeypatch.setattr(thing.repl, "_loaded", None)
+    first = thing.serve(port=0)
+    send(first.port, "assert thing.catch(1.5, name='loss').wait(10)")
+    first.close()
+    assert thing.get("loss") == 1.5  # closed, its history still looked at
+    second = thing.serve(port=0)
+    assert second is not first and thing.get("loss") == 1.5  # the session's history goes on
+    send(second.port, "assert thing.catch(2.5, name='loss').wait(10)")
+    kept = second.store.get_all("loss", run=thing.store.ALL_RUNS)  # two jobs, two runs
+    assert [capture.value for capture in kept] == [1.5, 2.5]
+
+
 def test_serve_starts_once_and_logs_its_port(no_default: None, caplog) -> None:
     caplog.set_level("INFO", logger="thing")
     server = thing.serve(port=0)
@@ -277,6 +291,29 @@ def test_a_mistyped_name_ends_in_a_short_traceback(default: thing.Server) -> Non
     # This test's frame, thing's one frame, and the message with its remedy.
     assert lines[-1] == "thing.errors.UnknownName: no capture named 'los'; did you mean 'loss'?"
     assert len(lines) <= 7, lines
+
+
+def test_ingest_all_gives_a_name_its_own_variable_and_updates_what_it_bound(
+        default: thing.Server) -> None:
+    send(default.port, """
+        assert thing.catch(np.array([-1.0]), name="-loss").wait(10)  # first: it took "loss"
+        assert thing.catch(np.array([1.0]), name="loss").wait(10)
+        assert thing.catch(np.array([4.0]), name="4").wait(10)  # _4: IPython's Out[4]
+    """)
+    namespace: dict = {}
+    bound = thing.ingest_all(namespace=namespace)
+    assert bound == {"loss": "loss"} and namespace["loss"].tolist() == [1.0]
+    shown = repr(bound)
+    assert "'-loss' (its variable loss is 'loss')" in shown
+    assert "'4' (_4 is the REPL's output history)" in shown and "_4" not in namespace
+    namespace["mine"] = "kept"
+    send(default.port, """
+        assert thing.catch(np.array([2.0]), name="loss").wait(10)
+        assert thing.catch(np.array([3.0]), name="mine").wait(10)
+    """)
+    bound = thing.ingest_all(namespace=namespace)  # a cell run again: what it bound moves on
+    assert namespace["loss"].tolist() == [2.0] and namespace["mine"] == "kept"
+    assert bound == {"loss": "loss"} and "kept" in repr(bound)
 
 
 def test_ingest_all_defaults_to_the_callers_globals(default: thing.Server) -> None:

@@ -1,19 +1,24 @@
 """``thing.ingest_all()``: the newest capture of every name, bound as a REPL variable.
 
 A name becomes the identifier :func:`thing.names.identifier_for` makes of it
-(``model.lm_head.weight`` -> ``model_lm_head_weight``). What a REPL depends on
-is never replaced: builtins (``print``, ``len``...), modules (``thing``,
-``np``...) and IPython's own variables (``In``, ``_3``...); no identifier is
-a dunder, as its underscores are stripped (``__name__`` -> ``name``). Other
-existing variables are kept unless ``overwrite=True``. Whatever is skipped
-is reported with how to reach it.
+(``model.lm_head.weight`` -> ``model_lm_head_weight``); a name that is its
+identifier already (``loss``) has it before one made into it (``-loss``). What
+a REPL depends on is never replaced: builtins (``print``, ``len``...), modules
+(``thing``, ``np``...), IPython's own variables (``In``, ``_3``...) and the
+REPL's output history (``_``, ``_4``, bound or not yet); no identifier is a
+dunder, as its underscores are stripped (``__name__`` -> ``name``). Other
+existing variables are kept unless ``overwrite=True``, except those still
+holding what an earlier ``ingest_all`` bound: those are brought up to date.
+Whatever is skipped is reported with how to reach it.
 """
 
 from __future__ import annotations
 
 import builtins
+import re
 import sys
 import types
+import weakref
 from typing import Any
 
 from .captures import value_of
@@ -48,29 +53,38 @@ def ingest_all(store: HistoryStore, overwrite: bool = False,
         namespace = shell.user_ns if shell is not None else _caller_globals()
     protected = set(getattr(shell, "user_ns_hidden", ()) or ()) if shell is not None else set()
     bound: dict[str, str] = {}
+    claimed: dict[str, str] = {}  # identifier -> the name bound or kept under it
     kept: list[str] = []
     refused: list[str] = []
-    for name in store.names():
+    # A name that is its own identifier first: "-loss" must not take the variable of "loss".
+    for name in sorted(store.names(), key=lambda name: identifier_for(name) != name):
         ident = identifier_for(name)
         shown = ident if ident == name else f"{ident} ({name!r})"
-        if ident in bound:
-            refused.append(f"{name!r} (its variable {ident} is {bound[ident]!r})")
+        if ident in claimed:
+            refused.append(f"{name!r} (its variable {ident} is {claimed[ident]!r})")
             continue
         existing = namespace.get(ident, _MISSING)
         if _never_replaced(ident, existing, protected):
             refused.append(f"{name!r} ({ident} is {_what(ident, existing)})")
             continue
-        if existing is not _MISSING and not overwrite:
+        claimed[ident] = name
+        ours = _bound_before.get((id(namespace), ident))
+        if existing is not _MISSING and not overwrite and existing is not ours:
             kept.append(shown)
             continue
         try:
-            namespace[ident] = value_of(store.get(name))
+            value = value_of(store.get(name))
         except UnknownName:  # cleared or evicted meanwhile
             continue
         except ProtocolError as exc:  # a peer's value that cannot be built
             refused.append(f"{name!r} ({exc})")
             continue
+        namespace[ident] = value
         bound[ident] = name
+        try:  # to bring it up to date next time; not a number or a list (no weak reference)
+            _bound_before[id(namespace), ident] = value
+        except TypeError:
+            pass
     pairs = [("bound", ", ".join(ident if ident == name else f"{ident} ({name!r})"
                                  for ident, name in bound.items()) or "-")]
     if kept:
@@ -83,11 +97,16 @@ def ingest_all(store: HistoryStore, overwrite: bool = False,
 
 
 _MISSING = object()
+# What ingest_all bound, by (namespace, identifier), while it lives: a variable still holding
+# it is brought up to date, not kept as the user's.
+_bound_before: weakref.WeakValueDictionary[tuple[int, str], Any] = weakref.WeakValueDictionary()
+# The REPL's output history: _ (python -i, IPython) and _4 (IPython), bound or not yet.
+_OUTPUT_HISTORY = re.compile(r"_\d*")
 
 
 def _never_replaced(ident: str, existing: Any, protected: set[str]) -> bool:
-    return (hasattr(builtins, ident) or ident in protected
-            or isinstance(existing, types.ModuleType))
+    return (hasattr(builtins, ident) or ident in protected or _OUTPUT_HISTORY.fullmatch(ident)
+            is not None or isinstance(existing, types.ModuleType))
 
 
 def _what(ident: str, existing: Any) -> str:
@@ -95,6 +114,8 @@ def _what(ident: str, existing: Any) -> str:
         return "a module"
     if hasattr(builtins, ident):
         return "a builtin"
+    if _OUTPUT_HISTORY.fullmatch(ident):
+        return "the REPL's output history"
     return "IPython's"
 
 

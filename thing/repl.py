@@ -47,7 +47,7 @@ def serve(port: int | None = None, host: str | None = None) -> Server:
         else:
             log.info("Server already running at port %d.", _server.port)
         return _server
-    server = Server(port, host, store=_loaded)
+    server = Server(port, host, store=_history())
     try:
         server.start()
     except OSError as exc:
@@ -93,9 +93,19 @@ def _short_traceback(function: Function) -> Function:
     return reporting  # type: ignore[return-value]
 
 
-def _store() -> HistoryStore:
-    if _loaded is not None and (_server is None or not _server.running):
+def _history() -> HistoryStore | None:
+    """The session's history while no server runs: what ``load`` brought back, else what a
+    closed default server kept (``serve()`` again receives into it)."""
+    if _loaded is not None:
         return _loaded
+    return None if _server is None else _server.store
+
+
+def _store() -> HistoryStore:
+    if _server is None or not _server.running:
+        history = _history()
+        if history is not None:
+            return history
     return default_server().store
 
 
@@ -126,7 +136,9 @@ def load(path: str | os.PathLike[str]) -> int:
     global _loaded
     if _server is not None and _server.running:
         return _server.store.load(path)
-    store = _loaded if _loaded is not None else HistoryStore()
+    store = _history()
+    if store is None:
+        store = HistoryStore()
     count = store.load(path)
     _loaded = store
     return count
