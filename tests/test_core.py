@@ -455,3 +455,21 @@ def test_bytes_at_refuses_a_null_address_or_a_negative_size(core, address: int,
     with pytest.raises(ValueError, match="no -?[0-9]+ bytes at address"):
         core.bytes_at(address, nbytes)
     assert core.bytes_at(0, 0) == b""  # an empty tensor's data pointer may be null
+
+
+def test_wake_writes_a_byte_and_a_full_socket_is_no_error(core) -> None:
+    writer, reader = socket.socketpair()
+    with writer, reader:
+        writer.setblocking(False)
+        core.wake(writer.fileno())
+        assert reader.recv(16) == b"\0"
+        while True:  # fill it: the sleeper has bytes waiting, and more change nothing
+            try:
+                writer.send(b"\0" * 65536)
+            except BlockingIOError:
+                break
+        core.wake(writer.fileno())
+        descriptor = writer.fileno()
+    with pytest.raises(OSError) as raised:
+        core.wake(descriptor)  # closed: the caller's to ignore, not a full socket
+    assert raised.value.errno == errno.EBADF

@@ -34,7 +34,7 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from . import auth, config, frames, shm, wire
-from ._core import send_buffers
+from ._core import send_buffers, wake
 from .answers import Acknowledgement, Answers
 from .arrays import leaf_bytes, torn
 from .dial import TRANSPORT_NAMES, dial
@@ -96,6 +96,7 @@ class Channel:
         self._wake_write, self._wake_read = socket.socketpair()
         self._wake_write.setblocking(False)
         self._wake_read.setblocking(False)
+        self._wake_fd = self._wake_write.fileno()
         self._asleep = False
         # A poll for a wake-up alone (not select(): a descriptor may be numbered past 1023).
         self._wake_only = select.poll()
@@ -292,8 +293,8 @@ class Channel:
         """Wake the sender if it sleeps (the caller holds the lock)."""
         if self._asleep:
             self._asleep = False
-            with contextlib.suppress(OSError):  # a byte is waiting already
-                self._wake_write.send(b"\0")
+            with contextlib.suppress(OSError):  # catch() never raises
+                wake(self._wake_fd)
 
     def let_go_in_child(self) -> None:
         """In a forked child: close its copies of the parent's sockets (closing, not shutting

@@ -15,7 +15,8 @@ import os
 
 # What both cores provide, and this package takes from the one it chose.
 _MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "bytes_at", "copy_into", "recv_buffers",
-           "recv_some", "send_buffers", "split_small_frames", "split_stored_acks", "untrack")
+           "recv_some", "send_buffers", "split_small_frames", "split_stored_acks", "untrack",
+           "wake")
 _THROTTLES = ("Throttle", "Throttles", "gated")
 
 
@@ -69,6 +70,7 @@ send_buffers = _movers.send_buffers
 split_small_frames = _movers.split_small_frames
 split_stored_acks = _movers.split_stored_acks
 untrack = _movers.untrack
+wake = _movers.wake
 Throttle = _throttles.Throttle
 Throttles = _throttles.Throttles
 gated = _throttles.gated

@@ -52,6 +52,7 @@ cdef extern from "<sys/socket.h>":
         int cmsg_level
         int cmsg_type
     ssize_t sendmsg(int fd, const msghdr *msg, int flags) nogil
+    ssize_t send(int fd, const void *buf, size_t len, int flags) nogil
     ssize_t recvmsg(int fd, msghdr *msg, int flags) nogil
     cmsghdr *CMSG_FIRSTHDR(msghdr *msg) nogil
     cmsghdr *CMSG_NXTHDR(msghdr *msg, cmsghdr *cmsg) nogil
@@ -88,6 +89,7 @@ cdef extern from *:
     const int THING_MAX_DESCRIPTORS
     const size_t THING_CONTROL_BYTES
     const int EWOULDBLOCK
+    const int MSG_DONTWAIT
 
 
 cdef ssize_t _transfer(int fd, iovec *iov, Py_ssize_t count, bint sending,
@@ -415,6 +417,23 @@ def bytes_at(size_t address, Py_ssize_t nbytes):
     if nbytes < 0 or (address == 0 and nbytes):
         raise ValueError(f"no {nbytes} bytes at address {address:#x}")
     return PyBytes_FromStringAndSize(<char *>address, nbytes)
+
+
+def wake(int fd):
+    """Write one byte to the non-blocking socket ``fd`` with the GIL held; a full socket is
+    left as it is (a byte is waiting already).
+
+    To wake a thread asleep in ``poll`` from a training thread's ``catch``:
+    written with the GIL let go (``socket.send``), the woken thread could take
+    the GIL before the write returned, and the call waited for it (measured
+    right after a training step: 37 µs of a sent capture's 230).
+    """
+    cdef char byte = 0
+    cdef int error
+    if send(fd, &byte, 1, MSG_DONTWAIT | THING_MSG_NOSIGNAL) < 0:
+        error = errno
+        if error != EAGAIN and error != EWOULDBLOCK:
+            raise OSError(error, strerror(error).decode("utf-8", "replace"))
 
 
 cdef extern from "Python.h":

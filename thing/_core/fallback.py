@@ -8,6 +8,7 @@ benchmarks compare against, and the fallback when the extension is missing or
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import mmap
 import os
@@ -177,6 +178,13 @@ def bytes_at(address: int, nbytes: int) -> bytes:
     # Not ctypes.string_at, which takes the size as a C int: 2 GiB and more would fail,
     # and 4 GiB and more wrap around.
     return (ctypes.c_char * nbytes).from_address(address).raw if nbytes else b""
+
+
+def wake(fd: int) -> None:
+    """Write one byte to the non-blocking socket ``fd`` (see the compiled core's): here with
+    the GIL let go, as every write from Python is."""
+    with contextlib.suppress(BlockingIOError):  # a byte is waiting already
+        os.write(fd, b"\0")
 
 
 def untrack(obj: object) -> object:
