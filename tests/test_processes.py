@@ -187,6 +187,33 @@ def test_a_job_that_dies_is_seen_to_leave_though_its_forked_child_lives_on(
             os.kill(child, signal.SIGKILL)
 
 
+def test_a_parents_handle_waited_on_in_a_child_writes_to_no_socket_of_the_child(
+        server: thing.Server) -> None:
+    """The child closed its copies of the parent's sockets: their numbers are free for the
+    child's own, which a wake-up meant for the parent's sender must never write into."""
+    run_script(
+        """
+        import os, select, socket, thing, thing.channel
+        thing.channel.TICK_SECONDS = 60.0  # the capture waits in the queue, its sender asleep
+        client = thing.Client()
+        assert client.catch(0.0, name="warm").wait(10)
+        pending = client.catch(1.0, name="queued")
+        child = os.fork()
+        if child == 0:
+            mine = [socket.socketpair() for _ in range(3)]  # the freed numbers, reused
+            pending.wait(0.2)  # hurries the parent's channel, which is not this process's
+            ends = [end for pair in mine for end in pair]
+            os._exit(3 if select.select(ends, [], [], 0.2)[0] else 0)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "a byte landed in the child's socket"
+        assert pending.wait(10)
+        """,
+        server.port,
+        timeout=60,
+    )
+    assert server.get("queued") == 1.0
+
+
 def test_mp_spawn_ranks_are_read_at_the_call(server: thing.Server, tmp_path: Path) -> None:
     """Captures made just before destroy_process_group() still carry their rank."""
     run_file(

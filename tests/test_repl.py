@@ -310,10 +310,17 @@ def test_ingest_all_gives_a_name_its_own_variable_and_updates_what_it_bound(
     send(default.port, """
         assert thing.catch(np.array([2.0]), name="loss").wait(10)
         assert thing.catch(np.array([3.0]), name="mine").wait(10)
+        assert thing.catch(0.5, name="lr").wait(10)
     """)
     bound = thing.ingest_all(namespace=namespace)  # a cell run again: what it bound moves on
     assert namespace["loss"].tolist() == [2.0] and namespace["mine"] == "kept"
-    assert bound == {"loss": "loss"} and "kept" in repr(bound)
+    assert bound == {"loss": "loss", "lr": "lr"} and "kept" in repr(bound)
+    send(default.port, "assert thing.catch(0.25, name='lr').wait(10)")
+    thing.ingest_all(namespace=namespace)
+    assert namespace["lr"] == 0.25  # a float too
+    namespace["lr"] = 1.0  # the user's own now: kept
+    send(default.port, "assert thing.catch(0.125, name='lr').wait(10)")
+    assert "lr" not in thing.ingest_all(namespace=namespace) and namespace["lr"] == 1.0
 
 
 def test_ingest_all_defaults_to_the_callers_globals(default: thing.Server) -> None:
@@ -657,6 +664,24 @@ def test_summary_fits_the_width_a_name_per_line_a_row_per_rank(
         if width == 200:
             assert all(row[0] == name for row in rows)
             assert "gpu-node-17.cluster.example.org:4243" in out
+
+
+@pytest.mark.parametrize("width", [40, 80])
+def test_wide_characters_take_two_columns_and_the_columns_stay_aligned(
+        default: thing.Server, width: int, monkeypatch, capsys) -> None:
+    wcwidth = pytest.importorskip("wcwidth")  # another's measure of a terminal's columns
+    monkeypatch.setenv("COLUMNS", str(width))
+    names = ["训练损失", "模型.编码器.第三层.注意力.权重矩阵", "café\u0301.poids", "loss"]
+    for name in names:
+        keep(default.store, name, np.zeros(3, np.float32), Sender("10.0.0.7:5000", "node", 7))
+    thing.summary()
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if "(3,)" in line]
+    assert len(rows) == 4 and all(wcwidth.wcswidth(line) <= width for line in lines), lines
+    # Every row's shape starts in the same terminal column as the header's.
+    header = next(line for line in lines if line.startswith("name"))
+    column = wcwidth.wcswidth(header[:header.index("shape")])
+    assert {wcwidth.wcswidth(row[:row.index("(3,)")]) for row in rows} == {column}, lines
 
 
 @pytest.mark.parametrize("width", [60, 80])

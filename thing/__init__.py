@@ -218,39 +218,43 @@ def _cannot_send(exc: Exception) -> CaptureHandle:
 
 
 def _make_default_client() -> Client:
-    global _default_client
+    global _default_client, _maker
     with _default_client_lock:
         if _default_client is None:
-            # THING_SERVER / THING_PORT, as any Client()
-            _default_client = Client(_throttles=_default_throttles)
+            _maker = threading.get_ident()
+            try:  # THING_SERVER / THING_PORT, as any Client()
+                _default_client = Client(_throttles=_default_throttles)
+            finally:
+                _maker = None
         return _default_client
 
 
 # A fork while another thread makes the default client (which imports the sending side)
 # would leave the child this lock, and the imports' own locks, held by a thread it does not
 # have: its first catch would wait forever. So a fork waits until the client is made (a
-# few milliseconds, once), or, with the lock held longer than any making takes, leaves the
-# child a lock of its own.
+# few milliseconds, once). A fork from the thread making it (a signal handler), or one
+# that waited longer than any making takes, leaves the child a lock of its own.
 _FORK_WAITS_FOR_THE_CLIENT = 10.0
-_lock_held_at_fork = False
+_maker: int | None = None  # the thread making the default client, while it does
+_forking = threading.local()  # whether this thread's fork holds the lock
 
 
 def _before_fork() -> None:
-    global _lock_held_at_fork
-    _lock_held_at_fork = _default_client_lock.acquire(timeout=_FORK_WAITS_FOR_THE_CLIENT)
+    _forking.holds = (_maker != threading.get_ident() and _default_client_lock.acquire(
+        timeout=_FORK_WAITS_FOR_THE_CLIENT))
 
 
 def _after_fork_in_parent() -> None:
-    if _lock_held_at_fork:
+    if _forking.holds:
         _default_client_lock.release()
 
 
 def _after_fork_in_child() -> None:
-    global _default_client_lock
-    if _lock_held_at_fork:
+    global _default_client_lock, _maker
+    if _forking.holds:
         _default_client_lock.release()
     else:
-        _default_client_lock = threading.Lock()
+        _default_client_lock, _maker = threading.Lock(), None
 
 
 if hasattr(os, "register_at_fork"):

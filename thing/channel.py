@@ -243,7 +243,8 @@ class Channel:
         nbytes = pending.payload.nbytes
         if self._closed:  # while the caller waited for room (block=True) or snapshotted
             self._room.give_back(nbytes)
-            self._room.undelivered["closed"] += 1
+            if pending.notice is None:
+                self._room.undelivered["closed"] += 1
             return CLOSED
         if self.overrides.active and self._paused(pending):  # said since it was let through
             self._room.give_back(nbytes)
@@ -299,7 +300,10 @@ class Channel:
     def let_go_in_child(self) -> None:
         """In a forked child: close its copies of the parent's sockets (closing, not shutting
         down, which would end the parent's connection), so that the parent's connection
-        ends when the parent does, not when the last of its children does."""
+        ends when the parent does, not when the last of its children does. A handle made
+        before the fork that is waited on here wakes nobody: the descriptors' numbers may
+        be another socket's by then."""
+        self._closed, self._asleep = True, False
         for sock in (self._sock, self._wake_read, self._wake_write):
             if sock is not None:
                 with contextlib.suppress(OSError):

@@ -21,6 +21,7 @@ import html
 import shutil
 import sys
 import textwrap
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -33,17 +34,47 @@ def terminal_width() -> int:
     return max(shutil.get_terminal_size((80, 24)).columns, 20)
 
 
+def columns(text: str) -> int:
+    """The terminal columns ``text`` takes: two for a wide character (CJK, most emoji), none
+    for a combining mark or an invisible format character, one for any other."""
+    if text.isascii():
+        return len(text)
+    return sum(map(_columns_of, text))
+
+
+def _columns_of(char: str) -> int:
+    if unicodedata.category(char) in ("Mn", "Me", "Cf"):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+
 def elide(text: str, width: int, keep: str = "end") -> str:
-    """``text`` cut to ``width`` characters with ``…``: keeping its start (``keep="end"``
+    """``text`` cut to ``width`` columns with ``…``: keeping its start (``keep="end"``
     cuts the end) or both its ends (``keep="middle"`` cuts the middle)."""
-    if len(text) <= width:
+    if columns(text) <= width:
         return text
     if width <= 1:
         return "…"[:width]
     if keep == "middle":
         tail = (width - 1) // 2
-        return text[: width - 1 - tail] + "…" + text[len(text) - tail:]
-    return text[: width - 1] + "…"
+        return _start(text, width - 1 - tail) + "…" + _start(text[::-1], tail)[::-1]
+    return _start(text, width - 1) + "…"
+
+
+def _start(text: str, width: int) -> str:
+    """The longest start of ``text`` that takes at most ``width`` columns."""
+    if text.isascii():
+        return text[:width]
+    used = 0
+    for index, char in enumerate(text):
+        used += _columns_of(char)
+        if used > width:
+            return text[:index]
+    return text
+
+
+def _padded(text: str, width: int) -> str:
+    return text + " " * (width - columns(text))
 
 
 @dataclass
@@ -77,8 +108,8 @@ class Table:
         lines = [self.title] if self.title else []
         if self.rows:
             def line(cells: list[str]) -> str:
-                return GAP.join(elide(cells[i], widths[i], self.columns[i].elide).ljust(widths[i])
-                                for i in shown).rstrip()
+                return GAP.join(_padded(elide(cells[i], widths[i], self.columns[i].elide),
+                                        widths[i]) for i in shown).rstrip()
 
             lines.append(line([column.header for column in self.columns]))
             lines.append(GAP.join("─" * widths[i] for i in shown))
@@ -90,7 +121,7 @@ class Table:
         """The columns shown and their widths, after giving way as far as needed."""
         index = {column.header: i for i, column in enumerate(self.columns)}
         shown = list(range(len(self.columns)))
-        widths = {i: max([len(self.columns[i].header), *(len(row[i]) for row in self.rows)])
+        widths = {i: max([columns(self.columns[i].header), *(columns(row[i]) for row in self.rows)])
                   for i in shown}
         for action, header in self.give_way:
             excess = sum(widths[i] for i in shown) + len(GAP) * (len(shown) - 1) - width

@@ -8,18 +8,22 @@ a REPL depends on is never replaced: builtins (``print``, ``len``...), modules
 REPL's output history (``_``, ``_4``, bound or not yet); no identifier is a
 dunder, as its underscores are stripped (``__name__`` -> ``name``). Other
 existing variables are kept unless ``overwrite=True``, except those still
-holding what an earlier ``ingest_all`` bound: those are brought up to date.
+holding what an earlier ``ingest_all`` bound (an array, a tensor, a float):
+those are brought up to date.
 Whatever is skipped is reported with how to reach it.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import re
 import sys
 import types
 import weakref
 from typing import Any
+
+import numpy as np
 
 from .captures import value_of
 from .display import Fields, Report
@@ -67,9 +71,9 @@ def ingest_all(store: HistoryStore, overwrite: bool = False,
         if _never_replaced(ident, existing, protected):
             refused.append(f"{name!r} ({ident} is {_what(ident, existing)})")
             continue
-        claimed[ident] = name
-        ours = _bound_before.get((id(namespace), ident))
-        if existing is not _MISSING and not overwrite and existing is not ours:
+        if existing is not _MISSING and not overwrite and existing is not _ours(namespace,
+                                                                                ident):
+            claimed[ident] = name
             kept.append(shown)
             continue
         try:
@@ -80,11 +84,8 @@ def ingest_all(store: HistoryStore, overwrite: bool = False,
             refused.append(f"{name!r} ({exc})")
             continue
         namespace[ident] = value
-        bound[ident] = name
-        try:  # to bring it up to date next time; not a number or a list (no weak reference)
-            _bound_before[id(namespace), ident] = value
-        except TypeError:
-            pass
+        claimed[ident] = bound[ident] = name
+        _remember(namespace, ident, value)
     pairs = [("bound", ", ".join(ident if ident == name else f"{ident} ({name!r})"
                                  for ident, name in bound.items()) or "-")]
     if kept:
@@ -97,9 +98,30 @@ def ingest_all(store: HistoryStore, overwrite: bool = False,
 
 
 _MISSING = object()
-# What ingest_all bound, by (namespace, identifier), while it lives: a variable still holding
-# it is brought up to date, not kept as the user's.
-_bound_before: weakref.WeakValueDictionary[tuple[int, str], Any] = weakref.WeakValueDictionary()
+# What ingest_all bound, by (namespace, identifier): a variable still holding it is brought
+# up to date, not kept as the user's. Weakly where the value allows (an array, a tensor);
+# strongly a float or a numpy number, which Python never shares between two variables by
+# itself (as it does small ints, strings and numpy's bools). Anything else is kept as the
+# user's once bound.
+_bound_weakly: weakref.WeakValueDictionary[tuple[int, str], Any] = weakref.WeakValueDictionary()
+_bound_strongly: dict[tuple[int, str], Any] = {}
+
+
+def _ours(namespace: dict[str, Any], ident: str) -> Any:
+    key = (id(namespace), ident)
+    return _bound_strongly.get(key, _bound_weakly.get(key, _MISSING))
+
+
+def _remember(namespace: dict[str, Any], ident: str, value: Any) -> None:
+    key = (id(namespace), ident)
+    _bound_strongly.pop(key, None)
+    _bound_weakly.pop(key, None)
+    if type(value) in (float, complex) or (isinstance(value, np.generic)
+                                           and not isinstance(value, np.bool_)):
+        _bound_strongly[key] = value
+    else:
+        with contextlib.suppress(TypeError):  # no weak reference to it: kept once bound
+            _bound_weakly[key] = value
 # The REPL's output history: _ (python -i, IPython) and _4 (IPython), bound or not yet.
 _OUTPUT_HISTORY = re.compile(r"_\d*")
 

@@ -23,7 +23,9 @@ named ``<function>:<line>``, after the qualified name of the calling function an
 the call, for example ``<module>:3`` or ``Trainer.step:42``. Such a name stands for its call
 site, not for an expression: two catches on one line (or every line typed at ``python -i``,
 each line 1) are told apart by the code they are in, as ``<module>:1``, ``<module>:1_1``...;
-the same code run again keeps its name.
+the same code run again keeps its name (past ``max_sites`` names, new sites on one
+line share one name again, as code without source made anew at every call would
+otherwise make new names for ever).
 
 A traced name longer than ``MAX_TRACED_NAME`` characters (a long literal argument) is cut to
 its start, ``…`` and a hash of the whole text, so different texts stay different names.
@@ -171,8 +173,11 @@ class NameTracer:
         # its names.
         key: tuple[Any, ...] = (str(frame.f_globals.get("__name__", "__main__")),
                                 site.function, text)
-        if text is None:  # one name per call site, told apart by its code's content
-            key = (*key[:2], _fallback_name(site), _code_at(code, frame.f_lasti))
+        if text is None:  # one name per call site, told apart by its code's content (while
+            # the names made so are few: exec of ever-new code would make ever-new names)
+            key = (*key[:2], _fallback_name(site))
+            if len(self._by_key) < self.max_sites:
+                key += (_code_at(code, frame.f_lasti),)
         with self._lock:
             name = self._by_key.get(key)
             if name is None:
