@@ -25,7 +25,7 @@ import thing
 from thing.captures import Sender
 from thing.errors import ThingError
 from thing.recorder import DISK_FULL, FALLING_BEHIND, Recorder
-from thing.recording import segments_of
+from thing.recording import SEGMENT_NAME, segments_of
 from thing.store import HistoryStore
 
 from .conftest import ROOT, free_port, poll, run_script, script_env, start_script
@@ -117,6 +117,36 @@ def test_a_recorder_killed_at_random_moments_always_leaves_a_recording(tmp_path:
         streamer.kill()
         streamer.communicate()
     assert len(reported) >= 20 and len(_steps(directory)) > 100
+    # Nothing a killed writer left lies around uncounted: only segments and the lock.
+    assert {entry.name for entry in directory.iterdir()
+            if not SEGMENT_NAME.fullmatch(entry.name)} <= {".thing-recorder.lock",
+                                                            ".thing-staging"}
+    with Recorder(HistoryStore(), directory):
+        assert not list((directory / ".thing-staging").iterdir())
+
+
+def test_what_a_crashed_writer_left_is_deleted_by_the_next(tmp_path: Path) -> None:
+    """The safetensors package writes a temporary file of its own, named as it likes, before
+    the segment's: a SIGKILL then left it (8 MB here) beside the recording, for ever."""
+    directory = tmp_path / "rec"
+    for writer in ("record", "save"):
+        staging = directory / writer / ".thing-staging"
+        staging.mkdir(parents=True)
+        for leftover in (".tmpqPTnE4", "segment-000001.safetensors"):
+            (staging / leftover).write_bytes(b"\0" * 1000)
+        store = HistoryStore()
+        store.add("x", np.arange(3), (), 24, Sender("a:1"))
+        if writer == "record":
+            with Recorder(store, directory / writer):
+                assert not list(staging.iterdir())
+                store.add("x", np.arange(4), (), 32, Sender("a:1"))
+        else:
+            store.save(directory / writer)
+        assert not list(staging.iterdir())
+        loaded = HistoryStore()
+        loaded.load(directory / writer)
+        assert loaded.get("x").value.tolist() == (list(range(4)) if writer == "record"
+                                                  else list(range(3)))
 
 
 @pytest.mark.parametrize("seconds", [float("inf"), 1e300, float("nan"), 0.0, -1.0])
@@ -194,11 +224,11 @@ def test_a_sender_faster_than_the_writer_is_slowed_not_dropped(tmp_path: Path) -
 def test_one_writer_per_directory(tmp_path: Path) -> None:
     store = HistoryStore()
     with Recorder(store, tmp_path / "rec") as recorder:
-        with pytest.raises(ThingError, match="a recorder is writing to"):
+        with pytest.raises(ThingError, match=r"a recorder \(or a save\) is writing to"):
             Recorder(HistoryStore(), tmp_path / "rec").start()
         # Before its first segment: the recorder would have written it over the saved one.
         store.add("saved", 1.0, (), 0, Sender("a:1"))
-        with pytest.raises(ThingError, match="a recorder is writing to"):
+        with pytest.raises(ThingError, match=r"a recorder \(or a save\) is writing to"):
             store.save(tmp_path / "rec")
         store.add("recorded", 2.0, (), 0, Sender("a:1"))
     assert recorder.written >= 1

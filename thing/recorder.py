@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 from .captures import Capture
-from .recording import TEMPORARY_NAME, PathLike, lock_for_writing, segment_path, segments_of
-from .segments import commit, write_segment, write_unflushed
+from .recording import PathLike, lock_for_writing, segment_path, segments_of
+from .segments import clear_staging, commit, write_segment, write_unflushed
 from .store import HistoryStore
 
 log = logging.getLogger("thing")
@@ -125,9 +125,7 @@ class Recorder:
             return self
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_file = lock_for_writing(self.directory)
-        for entry in os.scandir(self.directory):  # a crashed writer's half-written segment
-            if TEMPORARY_NAME.fullmatch(entry.name):
-                os.unlink(entry.path)
+        clear_staging(self.directory)  # a crashed writer's half-written segment
         existing = segments_of(self.directory)
         self._next_number = existing[-1][0] + 1 if existing else 1
         self._closing = self._finished = False

@@ -19,15 +19,13 @@ from typing import Union
 
 from .captures import Sender
 from .errors import BadRecording, ThingError
-from .segments import KnownHeaders, Segment, read_segment, write_segment
+from .segments import KnownHeaders, Segment, clear_staging, read_segment, write_segment
 from .store import ALL_RUNS, HistoryStore
 
 log = logging.getLogger("thing")
 
 PathLike = Union[str, "os.PathLike[str]"]
 SEGMENT_NAME = re.compile(r"segment-(\d{6,18})\.safetensors")
-# A segment's temporary name while it is written; left behind only by a crash.
-TEMPORARY_NAME = re.compile(r"\.segment-(\d{6,18})\.safetensors\.tmp")
 SAVE_SEGMENT_BYTES = 1 << 30  # save() starts a new file after this many bytes of arrays
 WRITER_LOCK = ".thing-recorder.lock"  # see lock_for_writing
 
@@ -58,8 +56,8 @@ def lock_for_writing(directory: Path) -> int:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(descriptor)
-        raise ThingError(f"a recorder is writing to {directory}; use another directory"
-                         ) from None
+        raise ThingError(f"a recorder (or a save) is writing to {directory}; use another "
+                         "directory") from None
     return descriptor
 
 
@@ -73,6 +71,7 @@ def save(store: HistoryStore, path: PathLike, names: Iterable[str] | None = None
     try:
         if segments_of(directory):
             raise ThingError(f"{directory} holds a recording already; save to a new directory")
+        clear_staging(directory)
         return _save(store, directory, names)
     finally:
         os.close(lock)

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from . import wire
-from ._core import PrivateMapping
+from ._core import map_file
 from .arrays import CARRIER_DTYPES, LeafSpec
 from .captures import Capture, Sender
 from .errors import BadRecording, ProtocolError
@@ -44,6 +44,10 @@ log = logging.getLogger("thing")
 
 FORMAT = "thing-history"
 FORMAT_VERSION = 1
+# Where a segment is written before it takes its name: a folder of the recording's own, so
+# that whatever a crash leaves there (the safetensors package writes a temporary file of its
+# own first) is deleted by the next writer, whatever it is called.
+STAGING = ".thing-staging"
 # The largest header a reader takes: safetensors' own limit; and what its JSON may cost
 # once parsed (wire.parsed_cost), beyond which it is refused unparsed.
 MAX_FILE_HEADER = 100_000_000
@@ -137,7 +141,9 @@ def write_unflushed(path: Path, captures: Sequence[Capture],
     metadata = {"format": FORMAT, "version": str(FORMAT_VERSION),
                 "captures": "[" + ",".join(records) + "]",
                 "dropped": json.dumps(dropped or {})}
-    temporary = path.with_name(f".{path.name}.tmp")
+    staging = path.parent / STAGING
+    staging.mkdir(exist_ok=True)
+    temporary = staging / path.name
     try:
         serialize_file(tensors, str(temporary), metadata=metadata)
     except BaseException as exc:
@@ -147,6 +153,18 @@ def write_unflushed(path: Path, captures: Sequence[Capture],
             raise OSError(_errno_in(str(exc)), f"writing {path} failed: {exc}") from exc
         raise
     return temporary, len(records)
+
+
+def clear_staging(directory: Path) -> None:
+    """Delete what a crashed writer left in ``directory``'s staging folder (the caller holds
+    the directory's writer lock: no live writer's files are there)."""
+    try:
+        entries = list(os.scandir(directory / STAGING))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if not entry.is_dir(follow_symlinks=False):
+            _remove_quietly(Path(entry.path))
 
 
 def _record_of(capture: Capture, parts: wire.ReceivedValue) -> str:
@@ -260,7 +278,7 @@ def _read(path: Path, known_headers: KnownHeaders) -> Segment:
             raise BadRecording(f"{path} is truncated: {size} bytes")
         # Not mmap.mmap, which keeps a duplicate of the descriptor while it lives: a
         # recording of more segments than the process may open descriptors would not load.
-        mapped = PrivateMapping(descriptor, size)
+        mapped = map_file(descriptor, size)
     finally:
         os.close(descriptor)
     (header_len,) = struct.unpack_from("<Q", mapped, 0)
@@ -366,7 +384,7 @@ def _tensor_table(document: dict[str, Any], data_len: int, path: Path) -> dict[s
     return tensors
 
 
-def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: PrivateMapping,
+def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: Any,
              data_start: int, limits: wire.Limits, known_headers: KnownHeaders,
              path: Path) -> LoadedCapture:
     where = f"{path}, capture {index}"

@@ -14,9 +14,9 @@ import logging
 import os
 
 # What both cores provide, and this package takes from the one it chose.
-_MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "bytes_at", "copy_into", "recv_buffers",
-           "recv_some", "send_buffers", "split_small_frames", "split_stored_acks", "untrack",
-           "wake")
+_MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "bytes_at", "copy_into", "map_file",
+           "recv_buffers", "recv_some", "send_buffers", "split_small_frames", "split_stored_acks",
+           "untrack", "wake")
 _THROTTLES = ("Throttle", "Throttles", "gated")
 
 
@@ -64,6 +64,7 @@ MAX_DESCRIPTORS: int = _movers.MAX_DESCRIPTORS
 PrivateMapping = _movers.PrivateMapping
 bytes_at = _movers.bytes_at
 copy_into = _movers.copy_into
+map_file = _movers.map_file
 recv_buffers = _movers.recv_buffers
 recv_some = _movers.recv_some
 send_buffers = _movers.send_buffers

@@ -419,6 +419,11 @@ def bytes_at(size_t address, Py_ssize_t nbytes):
     return PyBytes_FromStringAndSize(<char *>address, nbytes)
 
 
+# A file mapped copy-on-write, read only where looked at, keeping no descriptor: a recording
+# of more segments than the process may open files loads (the twin's differs).
+map_file = PrivateMapping
+
+
 def wake(int fd):
     """Write one byte to the non-blocking socket ``fd`` with the GIL held; a full socket is
     left as it is (a byte is waiting already).

@@ -193,6 +193,22 @@ def untrack(obj: object) -> object:
     return obj
 
 
+def map_file(fd: int, size: int) -> mmap.mmap:
+    """``size`` bytes of the file ``fd`` mapped copy-on-write, read only where looked at.
+
+    Python 3.13 maps it without keeping a descriptor (``trackfd=False``), as
+    the compiled core does. Before that, the mapping keeps a duplicate of ``fd``
+    while it lives: one per recording segment in use, so a recording of more
+    segments than the process may open files loads only on the compiled core.
+    A copy instead (as :func:`PrivateMapping` makes) would read whole recordings
+    into memory.
+    """
+    if sys.version_info >= (3, 13):
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE, trackfd=False)
+    return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+
+
 def PrivateMapping(fd: int, size: int) -> mmap.mmap:  # noqa: N802 - the compiled one is a class
     """``size`` bytes of ``fd`` as a writable buffer that keeps no descriptor.
 
@@ -202,8 +218,7 @@ def PrivateMapping(fd: int, size: int) -> mmap.mmap:  # noqa: N802 - the compile
     memory instead: a copy, which the compiled core does not need.
     """
     if sys.version_info >= (3, 13):
-        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
-                         prot=mmap.PROT_READ | mmap.PROT_WRITE, trackfd=False)
+        return map_file(fd, size)
     # Private: mmap's default, shared anonymous memory, is shmem and faults in far slower.
     memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with memoryview(memory) as view:
