@@ -42,7 +42,6 @@ keeps its name for the life of the process.
 from __future__ import annotations
 
 import ast
-import hashlib
 import io
 import itertools
 import keyword
@@ -52,7 +51,6 @@ import re
 import threading
 import tokenize
 import types
-import unicodedata
 import weakref
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -228,6 +226,8 @@ class NameTracer:
                       why, site.file, site.line)
             return None
         if len(argument) > MAX_TRACED_NAME:
+            import hashlib  # here: it takes 3 ms of `import thing` (OpenSSL), for a rare name
+
             digest = hashlib.blake2b(argument.encode("utf-8", "surrogatepass"),
                                      digest_size=4).hexdigest()
             argument = f"{argument[:MAX_TRACED_NAME - 9]}…{digest}"
@@ -271,6 +271,8 @@ def identifier_for(name: str) -> str:
     a digit, is a keyword or is empty gets a leading ``_``. ``thing.get``
     accepts it for the name when no other name has the same identifier.
     """
+    import unicodedata  # here: only the REPL's side asks, and a job's `import thing` need not
+
     # NFKC first, as Python reads identifiers ("x²" is typed as "x2", "ﬁle" as "file").
     ident = re.sub(r"\W+", "_", unicodedata.normalize("NFKC", name)).strip("_")
     if not ident.isidentifier() and ident:  # word characters that cannot start one ("①")
