@@ -309,15 +309,9 @@ class Channel:
                 with contextlib.suppress(OSError):
                     sock.close()
 
-    def close(self, timeout: float = 2.0) -> None:
-        """Stop: queued captures are told the client closed, in-flight ones too unless acked
-        within ``timeout`` seconds (the sender thread's end is waited for that long)."""
-        self.stop()
-        self.join(timeout)
-
     def stop(self) -> None:
-        """The first half of :meth:`close`: stop sending, and tell the queued captures so;
-        a client stops all its channels before it waits for any."""
+        """Stop sending, and tell the queued captures the client closed; then :meth:`join`.
+        A client stops all its channels before it waits for any."""
         with self._mutex:
             self._closed = True
             dropped = self._take_queue("closed")
@@ -330,8 +324,8 @@ class Channel:
                 sock.shutdown(socket.SHUT_WR)
 
     def join(self, timeout: float) -> None:
-        """The second half of :meth:`close`: wait up to ``timeout`` seconds for the sender to
-        read the answers that came, then tell the captures still unanswered."""
+        """After :meth:`stop`: wait up to ``timeout`` seconds for the sender to read the
+        answers that came, then tell the captures still unanswered."""
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._fail_inflight("closed", _CLOSED_IN_FLIGHT)

@@ -309,7 +309,8 @@ class Client:
                 if oldest not in self._channels.values():
                     evicted.append(oldest)
         for oldest in evicted:  # too many servers: the least recently opened one goes
-            oldest.close(timeout=0)
+            oldest.stop()
+            oldest.join(0.0)
         return channel
 
     @property
