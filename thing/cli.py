@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -222,38 +222,34 @@ _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 def _port(text: str) -> int:
     """A port number, 0 (any free port) to 65535."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"not a port: {text!r} (0 to 65535; 0: any free one)")
-    return port
+    return _number(text, int, lambda port: 0 <= port <= 65535, "a port",
+                   "0 to 65535; 0: any free one")
 
 
 def _seconds(text: str) -> float:
     """A number of seconds a segment may stay open (see ``Recorder``)."""
     from .recorder import MAX_SEGMENT_SECONDS
 
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and 0 < seconds <= MAX_SEGMENT_SECONDS):
-        raise argparse.ArgumentTypeError(
-            f"not a number of seconds: {text!r} (more than 0, at most {MAX_SEGMENT_SECONDS:g})")
-    return seconds
+    return _number(text, float, lambda seconds: 0 < seconds <= MAX_SEGMENT_SECONDS,
+                   "a number of seconds", f"more than 0, at most {MAX_SEGMENT_SECONDS:g}")
 
 
 def _steps(text: str) -> int:
     """A number of training steps, at least 1."""
+    return _number(text, int, lambda steps: steps >= 1, "a number of steps", "at least 1")
+
+
+def _number(text: str, parse: Callable[[str], Any], fits: Callable[[Any], bool], what: str,
+            rule: str) -> Any:
+    """``text`` parsed, if what it says ``fits`` (NaN fits no range); else a one-line error
+    naming ``what`` it must be and the ``rule``."""
     try:
-        steps = int(text)
+        number = parse(text)
     except ValueError:
-        steps = 0
-    if steps < 1:
-        raise argparse.ArgumentTypeError(f"not a number of steps: {text!r} (at least 1)")
-    return steps
+        number = None
+    if number is None or not fits(number):
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r} ({rule})")
+    return number
 
 
 def _size(text: str) -> int:
