@@ -19,7 +19,13 @@ import pytest
 import thing
 from thing.arrays import LeafSpec
 from thing.captures import Sender
-from thing.history_stats import COLUMNS, StatsTable, capture_stats, stats_table
+from thing.history_stats import (
+    COLUMNS,
+    StatsTable,
+    capture_histogram,
+    capture_stats,
+    stats_table,
+)
 from thing.store import HistoryStore
 
 from .conftest import poll, run_script
@@ -144,6 +150,33 @@ def test_a_dataframe_with_pandas(server: thing.Server) -> None:
     assert str(frame["arrived"].dtype).startswith("datetime64")
 
 
+def test_the_rows_of_ranks_and_runs_say_whose_they_are(tmp_path: Path, monkeypatch) -> None:
+    """A distributed job's rows repeat every step once per rank: each says its rank, and
+    with run="all" its run (a column only then: for one run it would say one thing)."""
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    store = HistoryStore()
+    for run in ("first", "second"):
+        for rank in (0, 1):
+            store.add("loss", float(rank), (), 0, Sender("a:1", rank=rank, run=run), call=1)
+    newest = stats_table(store, "loss").to_dict()
+    assert (newest["rank"], newest["mean"]) == ([0, 1], [0.0, 1.0])
+    everything = stats_table(store, "loss", run="all")
+    assert list(everything.to_dict())[:3] == ["step", "rank", "run"]
+    assert everything.to_dict()["run"] == ["first", "first", "second", "second"]
+    assert repr(everything).splitlines()[1].split()[:3] == ["step", "rank", "run"]
+
+
+def test_a_histogram_counts_the_values_as_they_are_now(server: thing.Server) -> None:
+    """get() hands out the kept array itself: changed in place, its histogram spans what
+    it holds now (the statistics kept from its arrival would have clipped it)."""
+    run_script("import numpy as np, thing\n"
+               "assert thing.catch(np.arange(10.0), name='w').wait(10)", server.port)
+    kept = server.get("w")
+    kept *= 100
+    counts, edges = capture_histogram(server.store.get("w"), 5)
+    assert (edges[0], edges[-1], counts.tolist()) == (0.0, 900.0, [2, 2, 2, 2, 2])
+
+
 def test_with_no_share_nothing_is_worked_out_until_asked(monkeypatch) -> None:
     monkeypatch.setenv("THING_STATS_SHARE", "0")
     with thing.Server(port=0) as server:
@@ -176,14 +209,16 @@ def test_under_steady_traffic_the_worker_still_works_and_lets_go_when_closed() -
     np.array([[7]], np.int8), np.array(-3.25), np.array(-0.0)])
 def test_one_value_is_described_as_the_chunked_loop_describes_it(value) -> None:
     """A single number (a loss) skips the reductions; what it gets is bit for bit what the
-    general loop gives, whose first chunk no longer turns a huge value's spread into NaN."""
+    general loop gives (scaled where a square would overflow or underflow), whose first
+    chunk no longer turns a huge value's spread into NaN."""
     from thing import array_stats as stats
 
     flat = stats._flat_numpy_source(value)
     to_float = stats._float_converter(flat, None)
     args = (flat, to_float, stats._is_complex(flat), stats._is_integer(flat))
     with np.errstate(all="ignore"):
-        one, chunked = stats._one_value_stats(*args), stats._chunked_stats(*args)
+        one = stats._one_value_stats(*args)
+        chunked = stats._described(stats._chunked_stats, *args)
     assert [repr(field) for field in vars(one).values()] == [  # -0.0 is not 0.0 here
         repr(field) for field in vars(chunked).values()]
     assert [type(field) for field in vars(one).values()] == [
@@ -233,7 +268,8 @@ def test_a_few_values_are_described_as_the_chunked_loop_describes_them(value) ->
     args = (flat, to_float, stats._is_complex(flat), stats._is_integer(flat))
     assert 1 < value.size <= stats.FEW_VALUES
     with np.errstate(all="ignore"):
-        few, chunked = stats._few_values_stats(*args), stats._chunked_stats(*args)
+        few = stats._described(stats._few_values_stats, *args)
+        chunked = stats._described(stats._chunked_stats, *args)
         assert stats.array_stats(value) == few
     for field in ("count", "finite", "nan", "inf", "min", "max", "magnitude"):
         ours, loops = getattr(few, field), getattr(chunked, field)
@@ -242,6 +278,38 @@ def test_a_few_values_are_described_as_the_chunked_loop_describes_them(value) ->
         ours, loops = getattr(few, field), getattr(chunked, field)
         assert type(ours) is type(loops), field
         assert ours == loops or math.isclose(ours, loops, rel_tol=1e-12, abs_tol=1e-300), field
+
+
+@pytest.mark.parametrize("values", [
+    [1e308] * 3, [3e200] * 40, [1e200], [1e-200, 2e-200], [1e-200] * 40, [1e308, -1e308] * 20,
+    [1e300, 1e-320, -7e299], [2e-310, 4e-310, 1e-300]])
+def test_statistics_near_the_float64_limits_are_those_of_the_values(values: list[float]
+                                                                    ) -> None:
+    """Squares of values beyond about 1e154 overflow, and of values below 1e-154
+    underflow: the mean, std and norm are worked out on values scaled by a power of two,
+    so they are what exact arithmetic gives, rounded (inf only for a norm beyond float64)."""
+    from fractions import Fraction
+
+    from thing.array_stats import array_stats
+
+    def root(square: Fraction) -> float:  # its square root, rounded once, inf beyond
+        if not square:
+            return 0.0
+        half = (square.numerator.bit_length() - square.denominator.bit_length()) // 2
+        try:
+            return math.ldexp(math.sqrt(square / Fraction(4) ** half), half)
+        except OverflowError:
+            return math.inf
+
+    for array in (np.array(values), np.array(values * 40)):  # a few, and the chunked loop
+        exact = [Fraction(value) for value in array.tolist()]
+        mean = sum(exact) / len(exact)
+        std = root(sum((value - mean) ** 2 for value in exact) / len(exact))
+        norm = root(sum(value * value for value in exact))
+        described = array_stats(array)
+        assert math.isclose(described.mean, float(mean), rel_tol=1e-12)
+        assert math.isclose(described.std, std, rel_tol=1e-9, abs_tol=abs(float(mean)) * 1e-15)
+        assert described.norm == norm or math.isclose(described.norm, norm, rel_tol=1e-12)
 
 
 def test_numbers_that_travel_in_the_header_keep_their_magnitude_and_exactness(

@@ -21,6 +21,7 @@ import pytest
 
 import thing
 from thing import live, plot_drawing
+from thing.history_stats import capture_stats
 from thing.plot_series import chart, histogram
 
 from .conftest import run_script, script_env
@@ -358,6 +359,13 @@ HARD_CASES = """
         send(1e308 * (-1) ** step, "huge", step)
     send(np.full(10, 1e17), "flat", 1)
     send(np.array([[1, 1j], [1j, 1]]), "complex", 1)
+    for step, value in enumerate([0.6931470, 0.6931472, 0.6931475, 0.6931471], 1):
+        send(value, "slow", step)  # a loss on a plateau
+        send({"loss": value}, "in_dict", step)  # one number in a container: no number
+        send(1.7e308 * (-1) ** step, "limit", step)  # matplotlib cannot divide its axis
+        send(3 + 4j, "phase", step)
+    send(np.array([1.0, 1.0 + 2**-52] * 20), "fine", 1)  # finer than 5 bins can cut
+    send(np.array([3e38 + 3e38j, 1 + 1j], np.complex64), "c64", 1)
     for name in ("a$\\\\foo$", "_loss"):
         send(1.0, name, 1)
         send(2.0, name, 2)
@@ -394,6 +402,33 @@ def test_hard_cases_are_drawn_truthfully_or_said(server: thing.Server) -> None:
     assert [t.get_text().lstrip("\u200b") for t in legend.get_texts()] == ["_loss", "a$\\foo$"]
     with pytest.raises(ValueError, match="pick one"):
         server.plot("grad", live=True, file="x.png")
+
+
+def test_what_is_hard_to_draw_is_drawn_truthfully_or_said(server: thing.Server,
+                                                          tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    run_script(HARD_CASES, port=server.port)
+    store = server.store
+    # Labels tell apart the values they mark, however close.
+    slow = plot_drawing.text(chart(store, "slow"), 80, 16).splitlines()
+    marks = [line.rsplit("│ ", 1)[1] for line in slow if re.search(r"│ [\d.]+$", line)]
+    assert marks == ["0.6931475", "0.6931472", "0.693147"]
+    # A number inside a dict is no number: no sparkline of NaN ("×") under status().
+    shown = live.view(store, server.info(), 5, width=100).text(100)
+    assert "in_dict" not in shown.split("arrived")[0] and "×" not in shown
+    # Values matplotlib cannot scale: a notebook shows the text plot, a file is refused
+    # with the reason, and none of its arithmetic warnings reach the REPL.
+    assert plot_drawing.Picture(chart(store, "limit"))._png is None
+    with pytest.raises(thing.ThingError, match="matplotlib could not draw limit"):
+        server.plot("limit", file=tmp_path / "limit.png")
+    assert "Warning" not in capsys.readouterr().err
+    # Values finer than float64 can cut in bins: bins one step wide, every value counted.
+    fine = histogram(store, "fine", bins=5)
+    assert (np.diff(fine.edges) > 0).all() and sorted(fine.counts.tolist()) == [0, 0, 0, 20, 20]
+    # Magnitudes of complex64 worked out in float64: |3e38+3e38j| is finite.
+    values = capture_stats(store.get("c64")).values
+    assert values.inf == 0 and values.max == pytest.approx(3e38 * 2 ** 0.5, rel=1e-7)
+    assert chart(store, "phase").notes == ["phase: complex values, drawn as their magnitudes |x|"]
 
 
 def test_a_live_plot_outlives_its_name_being_cleared(server: thing.Server) -> None:

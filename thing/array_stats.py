@@ -67,14 +67,50 @@ def array_stats(value: Any, spec: LeafSpec | None = None) -> ArrayStats | None:
     if describe is not _chunked_stats and to_float is _to_float64 and flat.dtype.itemsize <= 8:
         # Values that reach Python without a numpy cast that could warn (see
         # _python_floats), then plain Python: np.errstate costs more than that.
-        return describe(flat, to_float, magnitude, exact_int)
-    # Values near the float64 limits overflow a square: the result says inf, not a warning
-    # printed from whichever thread (the REPL's, the background worker's) asked.
+        return _described(describe, flat, to_float, magnitude, exact_int)
+    # Values near the float64 limits overflow a square, and a cast may meet a signalling
+    # NaN: no warning printed from whichever thread (the REPL's, the background worker's)
+    # asked.
     with np.errstate(all="ignore"):
-        return describe(flat, to_float, magnitude, exact_int)
+        return _described(describe, flat, to_float, magnitude, exact_int)
 
 
-def _chunked_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool) -> ArrayStats:
+def _described(describe: Any, *values: Any) -> ArrayStats:
+    """``describe(*values)``, worked out again on scaled values where the magnitudes
+    called for it (see :func:`_scale_exponent`)."""
+    stats = describe(*values)
+    scale = 0 if describe is _one_value_stats else _scale_exponent(stats)
+    return describe(*values, scale) if scale else stats
+
+
+# Beyond these magnitudes a square overflows to inf, or underflows to 0, in float64: the
+# mean of [1e308] * 3, the std of a constant 3e200, the norm of 1e-200 would come out wrong.
+_SQUARE_SAFE = (2.0 ** -480, 2.0 ** 480)
+
+
+def _scale_exponent(stats: ArrayStats) -> int:
+    """0 for statistics worked out exactly as they are; else the power of two to divide the
+    values by (exactly) so that their sums and squares neither overflow nor underflow."""
+    if not stats.finite or stats.min is None or stats.max is None:
+        return 0
+    largest = max(abs(float(stats.min)), abs(float(stats.max)))
+    if largest == 0.0 or _SQUARE_SAFE[0] <= largest <= _SQUARE_SAFE[1]:
+        return 0
+    return math.frexp(largest)[1]
+
+
+def _unscaled(value: float, scale: int) -> float:
+    """``value * 2**scale``: inf where it is beyond float64 (a norm of many 1e308s)."""
+    try:
+        return math.ldexp(value, scale)
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _chunked_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool,
+                   scale: int = 0) -> ArrayStats:
+    """Statistics in chunks; the mean, std and norm of the values divided by ``2**scale``
+    (see :func:`_scale_exponent`), then multiplied back."""
     size = _size(flat)
     count = finite = nan = inf = 0
     lo = hi = None
@@ -97,6 +133,8 @@ def _chunked_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool) -
             chunk_lo, chunk_hi = float(x.min()), float(x.max())
         lo = chunk_lo if lo is None else min(lo, chunk_lo)
         hi = chunk_hi if hi is None else max(hi, chunk_hi)
+        if scale:
+            x = np.ldexp(x, -scale)
         # Chan et al.'s pairwise update: numerically stable mean and variance across chunks.
         n = x.size
         chunk_mean = float(x.mean())
@@ -113,15 +151,17 @@ def _chunked_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool) -
         finite = total
     if not finite:
         return ArrayStats(count, 0, nan, inf, None, None, None, None, None, magnitude)
-    return ArrayStats(count, finite, nan, inf, lo, hi, mean, math.sqrt(m2 / finite),
-                      math.sqrt(sumsq), magnitude)
+    return ArrayStats(count, finite, nan, inf, lo, hi, _unscaled(mean, scale),
+                      _unscaled(math.sqrt(m2 / finite), scale),
+                      _unscaled(math.sqrt(sumsq), scale), magnitude)
 
 
 def _one_value_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool
                      ) -> ArrayStats:
     """What :func:`_chunked_stats` makes of a single value, bit for bit, without its seven
     reductions: most captures of a training loop are one number (a loss, a rate), and the
-    background worker describes every one."""
+    background worker describes every one. Its norm is its magnitude, never a square's
+    overflow or underflow."""
     raw = _chunk(flat, 0, 1)
     value = float(_python_floats(raw, to_float)[0])
     if value != value:
@@ -130,12 +170,11 @@ def _one_value_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool
         return ArrayStats(1, 0, 0, 1, None, None, None, None, None, magnitude)
     extreme = int(raw[0]) if exact_int else value
     # 0.0 + value: the loop's running mean starts at 0.0, which makes a -0.0 mean +0.0.
-    return ArrayStats(1, 1, 0, 0, extreme, extreme, 0.0 + value, 0.0, math.sqrt(value * value),
-                      magnitude)
+    return ArrayStats(1, 1, 0, 0, extreme, extreme, 0.0 + value, 0.0, abs(value), magnitude)
 
 
-def _few_values_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool
-                      ) -> ArrayStats:
+def _few_values_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool,
+                      scale: int = 0) -> ArrayStats:
     """What :func:`_chunked_stats` makes of a few values, to rounding, in plain Python:
     on a small vector (a per-layer norm, a handful of metrics) numpy's reductions cost
     several times their arithmetic, and the background worker describes every capture."""
@@ -152,11 +191,14 @@ def _few_values_stats(flat: Any, to_float: Any, magnitude: bool, exact_int: bool
     else:
         low, high = min(finite), max(finite)
     n = len(finite)
+    if scale:
+        finite = [math.ldexp(value, -scale) for value in finite]
     mean = sum(finite) / n
     spread = sum([(value - mean) * (value - mean) for value in finite])
-    squares = sum([value * value for value in finite])  # overflows to inf, as numpy's does
-    return ArrayStats(count, n, nan, count - n - nan, low, high, mean, math.sqrt(spread / n),
-                      math.sqrt(squares), magnitude)
+    squares = sum([value * value for value in finite])
+    return ArrayStats(count, n, nan, count - n - nan, low, high, _unscaled(mean, scale),
+                      _unscaled(math.sqrt(spread / n), scale),
+                      _unscaled(math.sqrt(squares), scale), magnitude)
 
 
 def value_histogram(value: Any, spec: LeafSpec | None, bins: int, low: float, high: float
@@ -173,6 +215,9 @@ def value_histogram(value: Any, spec: LeafSpec | None, bins: int, low: float, hi
         low, high = low - spread, high + spread
     # Halved, then doubled: from -1e308 to 1e308 the width itself would overflow.
     edges = 2 * np.linspace(low / 2, high / 2, bins + 1)
+    if not np.all(np.diff(edges) > 0):  # a range finer than float64 can cut in ``bins``
+        middle, step = low / 2 + high / 2, float(np.spacing(max(abs(low), abs(high))))
+        edges = middle + step * np.arange(-bins, bins + 1, 2, dtype=np.float64)
     counts = np.zeros(bins, np.int64)
     with np.errstate(all="ignore"):
         for start in range(0, _size(flat), STATS_CHUNK):
@@ -265,7 +310,7 @@ def _float_converter(flat: Any, spec: LeafSpec | None) -> Any:
     """A function from a raw numpy chunk to float64 values; None when the dtype holds no numbers."""
     if hasattr(flat, "is_complex"):  # torch chunks arrive as numpy float32 (or native dtypes)
         if flat.dtype.is_complex:
-            return lambda raw: np.abs(raw).astype(np.float64)
+            return _magnitudes
         return lambda raw: raw.astype(np.float64)
     if spec is not None and spec.dtype == "bfloat16" and flat.dtype == np.uint16:
         # bfloat16 kept as its raw bits: they are the upper half of a float32.
@@ -277,7 +322,7 @@ def _float_converter(flat: Any, spec: LeafSpec | None) -> Any:
         return lambda raw: _E4M3FN_VALUES[raw]
     kind = flat.dtype.kind
     if kind == "c":
-        return lambda raw: np.abs(raw).astype(np.float64)
+        return _magnitudes
     if kind in "fiub":
         return _to_float64
     try:  # ml_dtypes (bfloat16, float8) cast to float
@@ -285,6 +330,13 @@ def _float_converter(flat: Any, spec: LeafSpec | None) -> Any:
     except (TypeError, ValueError):
         return None
     return lambda raw: raw.astype(np.float64)
+
+
+def _magnitudes(raw: np.ndarray) -> np.ndarray:
+    """``|z|`` as float64, worked out in complex128: in complex64 a finite ``3e38+3e38j``
+    would overflow to inf."""
+    return np.abs(raw.astype(np.complex128)) if raw.dtype.itemsize <= 16 else (
+        np.abs(raw).astype(np.float64))
 
 
 def _to_float64(raw: np.ndarray) -> np.ndarray:

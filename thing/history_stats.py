@@ -33,11 +33,13 @@ from .array_stats import ArrayStats, array_stats, as_float64, value_histogram
 from .captures import Capture
 from .display import say_once
 from .errors import UnknownName
-from .store import HistoryStore
+from .store import ALL_RUNS, HistoryStore
+from .wire import SINGLE_LEAF
 
 log = logging.getLogger("thing")
 
-COLUMNS = ("step", "arrived", "shape", "min", "max", "mean", "std", "norm", "nan", "inf")
+COLUMNS = ("step", "rank", "arrived", "shape", "min", "max", "mean", "std", "norm", "nan",
+           "inf")
 # Above this many elements the top singular value is found by power iteration.
 EXACT_SPECTRAL_ELEMENTS = 1 << 22
 MAX_WAITING = 10_000  # ids the worker may have queued; beyond, they wait for stats()
@@ -71,7 +73,7 @@ def capture_stats(capture: Capture) -> CaptureStats:
 
 def _values_of(capture: Capture) -> Optional[ArrayStats]:
     parts = capture.parts()  # numpy only: no framework is imported here
-    if len(parts.specs) == 1 and parts.tree == {"leaf": 0}:
+    if len(parts.specs) == 1 and parts.tree == SINGLE_LEAF:
         if parts.specs[0].framework == "bytes":
             return None
         return array_stats(parts.arrays[0], parts.specs[0])
@@ -127,15 +129,23 @@ def top_singular_value(capture: Capture) -> Optional[float]:
 
 def capture_histogram(capture: Capture, bins: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """``(counts, edges)`` of the finite values of a capture of one array or number, in
-    ``bins`` equal bins from its min to its max; None for a capture with no finite numbers."""
+    ``bins`` equal bins from its min to its max; None for a capture with no finite numbers.
+
+    The range is read from the values counted, not from the statistics kept: an array
+    handed out by ``get()`` and changed in place since would fall outside them.
+    """
     values = capture_stats(capture).values
     if values is None or not values.finite:
         return None
-    low, high = float(values.min), float(values.max)  # type: ignore[arg-type]
     parts = capture.parts()
-    if parts.specs:
-        return value_histogram(parts.arrays[0], parts.specs[0], bins, low, high)
-    return value_histogram(np.array(low), None, bins, low, high)  # a number in the header
+    if not parts.specs:  # a number in the header
+        low = float(values.min)  # type: ignore[arg-type]
+        return value_histogram(np.array(low), None, bins, low, low)
+    array, spec = parts.arrays[0], parts.specs[0]
+    values = array_stats(array, spec)
+    if values is None or not values.finite:
+        return None
+    return value_histogram(array, spec, bins, float(values.min), float(values.max))
 
 
 def _power_iteration(matrix: np.ndarray, steps: int = 100) -> float:
@@ -277,12 +287,16 @@ def stats_table(store: HistoryStore, name: str, rank: Optional[int] = None,
                 run: Optional[str] = None, spectral: bool = False) -> Any:
     """``thing.stats``: a pandas DataFrame when pandas is installed, else a StatsTable."""
     captures = store.get_all(name, rank, run)
-    columns = COLUMNS + (("spectral",) if spectral else ())
+    # A rank's rows apart from another's, and with every run asked for, a run's too.
+    columns = ((COLUMNS[:2] + ("run",) + COLUMNS[2:]) if run == ALL_RUNS else COLUMNS) + (
+        ("spectral",) if spectral else ())
     rows = []
     for capture in captures:
         values = capture_stats(capture).values
         shape = capture.leaves[0].shape if len(capture.leaves) == 1 else ()
-        row: list[Any] = [capture.step, capture.received_at, shape]
+        row: list[Any] = [capture.step, capture.rank, capture.received_at, shape]
+        if run == ALL_RUNS:
+            row.insert(2, capture.sender.run)
         if values is None:
             row += [None] * 7
         else:

@@ -102,9 +102,14 @@ class Picture:
 
     def __init__(self, drawing: Drawing):
         self.drawing = drawing
-        self._png = png(drawing) if _has("matplotlib") else None
-        if self._png is None:
+        self._png: Optional[bytes] = None
+        if not _has("matplotlib"):
             say_once(INSTALL_HINT)
+        else:
+            try:
+                self._png = png(drawing)
+            except ThingError:  # values matplotlib cannot scale: shown as text
+                log.debug("no picture of %s", drawing.title, exc_info=True)
 
     def _repr_png_(self) -> Optional[bytes]:
         return self._png
@@ -172,8 +177,20 @@ def _figure(drawing: Drawing) -> Any:
 def png(drawing: Drawing) -> bytes:
     """``drawing`` as PNG bytes (matplotlib's Agg renderer)."""
     out = io.BytesIO()
-    figure(drawing).savefig(out, format="png", dpi=100)
+    _render(drawing, out, format="png")
     return out.getvalue()
+
+
+def _render(drawing: Drawing, to: Any, **options: Any) -> None:
+    """Draw ``drawing`` into ``to`` (a file name or a file); raises ThingError where matplotlib
+    cannot, as with values near the float64 limits, whose axis it cannot divide."""
+    # Near those limits its arithmetic overflows: no warnings printed into the REPL.
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            figure(drawing).savefig(to, dpi=100, **options)
+        except (OverflowError, ValueError) as exc:
+            raise ThingError(f"matplotlib could not draw {drawing.title}: {exc}") from None
 
 
 def _label(fig: Any, axes: Any, x: str, drawing: Drawing) -> None:
@@ -183,7 +200,7 @@ def _label(fig: Any, axes: Any, x: str, drawing: Drawing) -> None:
 
 
 def _save(drawing: Drawing, file: Union[str, os.PathLike[str]]) -> None:
-    figure(drawing).savefig(os.fspath(file), dpi=100)
+    _render(drawing, os.fspath(file))
     say(f"Saved {drawing.title} to {os.fspath(file)}.")
 
 
@@ -242,7 +259,7 @@ def _uniplot(lines: list[tuple[str, np.ndarray, np.ndarray]], title: str, width:
         return f"{title}: no finite values"
     low, high = _span(np.concatenate([y for _, _, y in kept]))
     x_low, x_high = _span(np.concatenate([x for _, x, _ in kept]))
-    marks = [number(high), number((low + high) / 2), number(low)]
+    marks = _marks([high, low / 2 + high / 2, low])  # halved: -1e308 + 1e308 would overflow
     room = max(len(mark) for mark in marks) + 1
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")  # its label search warns about ranges it then drops
@@ -258,6 +275,17 @@ def _uniplot(lines: list[tuple[str, np.ndarray, np.ndarray]], title: str, width:
     for row, mark in zip((top, (top + bottom) // 2, bottom), marks):
         rows[row] += " " + mark
     return "\n".join(rows)
+
+
+def _marks(values: list[float]) -> list[str]:
+    """``values`` as labels in 6 significant digits, or as many more as it takes to tell
+    them apart (a loss on a plateau: 0.6931470 to 0.6931475)."""
+    marks = [number(value) for value in values]
+    digits = 7
+    while len(set(marks)) < len(set(values)) and digits <= 17:
+        marks = [f"{value:.{digits}g}" for value in values]
+        digits += 1
+    return marks
 
 
 def _span(values: np.ndarray) -> tuple[float, float]:

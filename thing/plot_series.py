@@ -30,6 +30,7 @@ from .history_stats import (
 )
 from .reports import is_container, kind
 from .store import ALL_RUNS, HistoryStore
+from .wire import SINGLE_LEAF
 
 # What each stat draws, as its panel's title says it.
 STAT_TITLES = {
@@ -127,6 +128,8 @@ def chart(store: HistoryStore, names: Names, stat: Union[str, list[str]] = AUTO,
         if left_out:
             notes.append(f"{label}: {left_out} of {len(captures)} captures hold no numbers "
                          "(left out)")
+        if any(values is not None and values.magnitude for values in numbers):
+            notes.append(f"{label}: complex values, drawn as their magnitudes |x|")
         if len(series.non_finite):  # a silent gap, or a clean norm, would hide them
             notes.append(f"{label}: NaN or Inf in {len(series.non_finite)} of {len(captures)} "
                          f"captures, the first at step {_step_text(series.non_finite[0])}"
@@ -180,12 +183,13 @@ def recent_values(store: HistoryStore, name: str, count: int
 
 
 def _single_number(capture: Capture) -> bool:
-    """Whether a capture is one number (told by its layout: no statistics worked out)."""
+    """Whether a capture is one number (told by its layout: no statistics worked out); not
+    a container holding one, such as ``{"loss": loss}``, which has no statistics."""
     leaves = capture.leaves
     if not leaves:
         return is_header_number(capture.parts().tree)
     return (len(leaves) == 1 and leaves[0].framework != "bytes"
-            and math.prod(leaves[0].shape) == 1)
+            and math.prod(leaves[0].shape) == 1 and capture.parts().tree == SINGLE_LEAF)
 
 
 def _stat_list(stat: Union[str, list[str], tuple[str, ...]]) -> list[str]:
