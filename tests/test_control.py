@@ -366,7 +366,93 @@ def test_the_repl_refuses_what_a_client_would(server: thing.Server) -> None:
         server.pause("w", rank=-1)
     with pytest.raises(TypeError, match="a name is a str"):
         server.every(3, 1)  # type: ignore[arg-type]
+    # A name of no characters is the wire's "every name"; one of more than 4096 bytes, a
+    # stream the job no longer follows: each would have reached every job as that.
+    with pytest.raises(ValueError, match="a name of 0 bytes"):
+        server.pause("")
+    with pytest.raises(ValueError, match="a name of 5000 bytes"):
+        server.every("é" * 2500, 1)
     assert server.info().steering == ()
+
+
+@pytest.mark.parametrize("value, steered", [
+    ("", True), ("1", True), ("true", True), ("On", True), ("yes", True),
+    ("0", False), ("false", False), ("OFF", False), ("no", False), ("disabled", False)])
+def test_thing_control_takes_words_and_fails_closed(monkeypatch: pytest.MonkeyPatch,
+                                                    value: str, steered: bool) -> None:
+    """The switch that keeps a REPL out of a job: a value it does not know refuses steering
+    rather than allow it (``false`` had read as "not a number: the default, on")."""
+    from thing import config
+
+    monkeypatch.setenv("THING_CONTROL", value)
+    assert config.control() is steered
+
+
+def test_a_first_used_up_under_a_repl_since_restarted_counts_anew(jobs: list[Job]) -> None:
+    """A job reconnecting to the same REPL keeps what its first= let through; a REPL
+    restarted on the same port is another: the same first= said there sends that many."""
+    with thing.Server(port=0) as repl:
+        port = repl.port
+        jobs.append(job := Job(port, THING_RECONNECT_INTERVAL="0.2"))
+        repl.every("x", 1)
+        repl.first("x", 2)
+        job.sync()
+        job.catch("x", 4)
+        assert calls_of(repl, "x") == [1, 2]
+    with thing.Server(port=port) as restarted:
+        poll(lambda: restarted.steering.clients == 1, what="the job to reconnect")
+        restarted.every("x", 1)
+        restarted.first("x", 2)
+        job.sync()
+        job.catch("x", 3)
+        assert calls_of(restarted, "x") == [5, 6]
+
+
+def test_a_setting_for_a_rank_applies_once_the_job_learns_its_rank(server: thing.Server
+                                                                   ) -> None:
+    """Under mp.spawn a job connects, and hears the settings, before torch.distributed
+    tells it its rank: a pause for rank 0 said then applies from the moment it is rank 0."""
+    pytest.importorskip("torch.distributed")
+    server.pause("loss", rank=0)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        rendezvous = free.getsockname()[1]
+    script = f"""
+        import json, torch.distributed as dist, thing
+        assert thing.catch(0, name="sync").wait(10)  # connected: told the settings
+        before = thing.catch(1.0, name="loss").wait(10)  # no rank yet: not rank 0's
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{rendezvous}",
+                                rank=0, world_size=1)
+        after = [thing.catch(2.0, name="loss").error for _ in range(3)]
+        dist.destroy_process_group()
+        print(json.dumps([before, after]))
+    """
+    before, after = json.loads(run_script(script, server.port, RANK="", WORLD_SIZE=""))
+    assert before and after == ["skipped by every=/first="] * 3
+    assert [capture.rank for capture in server.store.get_all("loss")] == [None]
+
+
+def test_only_the_calls_sent_to_the_default_server_are_steered(server: thing.Server) -> None:
+    """Another server's connection refuses steering, so the default server's settings do not
+    decide what goes there, and an on-demand name is listed by neither."""
+    server.pause()
+    server.resume("sync")
+    with thing.Server(port=0) as other:
+        script = f"""
+            import json, numpy as np, thing
+            assert thing.catch(0, name="sync").wait(10)  # told the settings
+            there = "127.0.0.1:{other.port}"
+            paused = thing.catch(1, name="loss").error
+            sent = [thing.catch(i, name="loss", server=there).wait(10) for i in range(3)]
+            thing.catch(np.zeros(2), name="probe", server=there, on_demand=True)
+            assert thing.catch(0, name="sync", server=there).wait(10)
+            print(json.dumps([paused, sent]))
+        """
+        paused, sent = json.loads(run_script(script, server.port))
+        assert paused == "skipped by every=/first=" and sent == [True] * 3
+        assert calls_of(server, "loss") == []
+        assert [capture.value for capture in other.store.get_all("loss")] == [0, 1, 2]
+        assert other.available() == [] and server.available() == []
 
 
 # -- what a client makes of what a server sends -------------------------------------------
@@ -442,6 +528,49 @@ def test_a_job_connecting_later_decides_as_one_connected_all_along(steps: Any) -
         later.apply(read(raw))
     assert ({name: repr(s) for name, s in later.settings().items()}
             == {name: repr(s) for name, s in connected.settings().items()})
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations)
+def test_what_a_statement_changes_is_what_working_everything_out_again_gives(steps: Any
+                                                                              ) -> None:
+    """A statement for one name works out that name's setting only (a replay of a thousand
+    names took a job seconds of CPU when each worked out all): always what all give."""
+    from thing.overrides import SettingsTable
+
+    steered = overrides()  # rank 1
+    for operation, name, rank, value in steps:
+        if operation in ("request", "first") and name is None:
+            continue
+        if operation in ("pause", "resume", "reset"):
+            value = 0
+        steered.apply(read(message(operation, name, rank, value)))
+        table = SettingsTable()
+        for statement in steered._table.statements():
+            table.apply(statement.operation, statement.name, statement.rank, statement.value)
+        assert ({name: repr(s) for name, s in steered.settings().items()}
+                == {name: repr(s) for name, s in table.settings(1).items()})
+
+
+def test_a_forked_worker_keeps_the_settings_no_longer_than_its_parent() -> None:
+    """A child forked while its parent had no REPL keeps the parent's deadline, not a new
+    one; and the settings end at a call once it passes, even in a worker whose every call
+    is paused (it opens no connection, whose retries would end them)."""
+    from thing.overrides import Overrides
+
+    steered = Overrides(True, 0.5, lambda: None)
+    steered.connected(1, "repl")
+    steered.apply(read(message("pause")))
+    steered.disconnected(1)
+    deadline = steered._expires_at
+    assert deadline is not None
+    steered.after_fork()
+    assert steered._expires_at == deadline
+    throttle = thing._core.Throttles().of("w")
+    assert steered.admit("w", throttle, 1, None, False) == (0, False)  # paused, for now
+    poll(lambda: time.monotonic() > deadline, what="the deadline")
+    assert steered.admit("w", throttle, 1, None, False) != (0, False)
+    assert steered.settings() == {} and not steered.active
 
 
 control_parts = st.tuples(st.integers(0, 2**16 - 1), st.binary(max_size=64),

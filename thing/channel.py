@@ -124,6 +124,7 @@ class Channel:
         # and whether that end has come (see _learn_settings).
         self._replays = False
         self._replayed = False
+        self._steering: str | None = None  # the server's statements' instance (see dial.py)
         # On-demand names and what they look like, told again on every new connection.
         self._on_demand: dict[str | None, Pending] = {}
         self._headers = Headers()
@@ -385,7 +386,7 @@ class Channel:
         the in-flight."""
         with self._mutex:
             self._sock, self.down = sock, False
-        self.overrides.connected(id(self))
+        self.overrides.connected(id(self), self._steering)
         self._announce_again()
         answers = Answers(sock, mac, self._settle, self._steer, self._ignored)
         try:
@@ -469,6 +470,7 @@ class Channel:
         with self._mutex:
             self._notices, self._told = dialled.notices, set()
             self._steered, self._replays = dialled.steered, dialled.replays
+            self._steering = dialled.steering
         if dialled.transport != self.transport:
             log.info("sending to the thing server at %s:%d over %s", *self.address,
                      TRANSPORT_NAMES[dialled.transport])

@@ -35,6 +35,7 @@ from .names import CallSite, NameTracer
 
 if TYPE_CHECKING:
     from .channel import Channel
+    from .overrides import Overrides
 
 log = logging.getLogger("thing")
 
@@ -221,9 +222,9 @@ class Client:
             if (frame is not None and self._throttles.remember(frame, throttle)
                     and not self._names.still_names(frame, name)):
                 self._throttles.forget_sites(frame.f_code)
-            if self._overrides.active:  # the REPL set something: see overrides.py
-                call, requested = self._overrides.admit(name, throttle, int(every), first,
-                                                        on_demand)
+            overrides = self._overrides if server is None else self._overrides_of(server)
+            if overrides.active:  # the REPL set something: see overrides.py
+                call, requested = overrides.admit(name, throttle, int(every), first, on_demand)
             elif on_demand:  # nobody asked for it: counted, not sent
                 throttle.count()
                 call, requested = 0, False
@@ -266,11 +267,19 @@ class Client:
             return
         self._announced.add(name)
         channel = self._channels.get(server) or self._open_channel(server)
-        if channel is None or not self._overrides.enabled:
-            return  # a job that refuses steering lists nothing that could never be asked for
+        if channel is None or not channel.overrides.enabled:
+            # A job that refuses steering, or a server that does not steer it, lists nothing
+            # that could never be asked for.
+            return
         if site is None:
             site = self._names.site_for(sys._getframe(depth))
         channel.announce(name, site, self._rank.read(), obj)
+
+    def _overrides_of(self, server: str) -> Overrides:
+        """What decides the calls sent to ``server``: the REPL's steering if it is the default
+        server, else nothing (another server's connection refuses steering)."""
+        channel = self._channels.get(server) or self._open_channel(server)
+        return self._overrides if channel is None else channel.overrides
 
     def _tell_server(self, server: str | None, name: str | None, site: CallSite | None,
                      obj: Any, reason: str) -> None:

@@ -111,8 +111,17 @@ def reconnect_interval() -> float:
 
 
 def control() -> bool:
-    """Whether a client follows the REPL's steering (``THING_CONTROL``, 1; 0 refuses all)."""
-    return _env_int("THING_CONTROL", 1) != 0
+    """Whether a client follows the REPL's steering (``THING_CONTROL``, 1; 0 refuses all).
+
+    ``0``/``false``/``no``/``off`` refuse it, ``1``/``true``/``yes``/``on`` allow it. Any
+    other value refuses it too: the switch that keeps a REPL out of a job fails closed.
+    """
+    raw = os.environ.get("THING_CONTROL", "").strip().lower()
+    if raw in ("", "1", "true", "yes", "on"):
+        return True
+    if raw not in ("0", "false", "no", "off"):
+        _log.warning("THING_CONTROL=%r is not 0 or 1: refusing the REPL's steering", raw)
+    return False
 
 
 def control_ttl() -> float:

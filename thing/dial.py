@@ -35,6 +35,7 @@ class Dialled(NamedTuple):
     notices: bool  # the server takes notices of captures that could not be sent
     steered: bool  # the server may steer us (and takes announcements of on-demand names)
     replays: bool  # it ends what it tells us of its settings with "replayed" (see Channel)
+    steering: str | None  # the instance of its statements (see Steering.instance)
 
 
 def dial(address: tuple[str, int], token: str | None, this_host: bool,
@@ -62,8 +63,10 @@ def dial(address: tuple[str, int], token: str | None, this_host: bool,
         sock.close()
         raise
     steered = info.get("control") is True
+    instance = info.get("steering")
     return Dialled(sock, transport, mac, info.get("notices") is True, steered,
-                   control and steered and info.get("replay") is True)
+                   control and steered and info.get("replay") is True,
+                   instance[:64] if isinstance(instance, str) else None)
 
 
 def _open(address: tuple[str, int], this_host: bool, token: str | None

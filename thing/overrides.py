@@ -98,13 +98,18 @@ class Statement(NamedTuple):
         return f"{what}: {said}" + ("" if self.rank is None else f" (rank {self.rank})")
 
 
+_Key = tuple[Optional[str], Optional[int], str]  # a statement's name, rank and kind
+
+
 class SettingsTable:
     """The statements in force (see the module docstring), on the client and the server."""
 
     def __init__(self) -> None:
-        self._statements: dict[tuple[Optional[str], Optional[int], str], Statement] = {}
+        self._statements: dict[_Key, Statement] = {}
+        self._keys_of: dict[Optional[str], set[_Key]] = {}  # a name's keys: found at once
         self._order = itertools.count()
-        # first= counts of before a "forget": the replay that follows keeps them.
+        # first= counts of before a "forget": the replay that follows keeps them, and only
+        # that replay (see end_replay).
         self._kept_budgets: dict[tuple[Optional[str], Optional[int], int], Budget] = {}
 
     def apply(self, operation: str, name: Optional[str], rank: Optional[int],
@@ -117,21 +122,17 @@ class SettingsTable:
             self._kept_budgets = {(s.name, s.rank, s.value): s.budget
                                   for s in statements.values() if s.budget is not None}
             statements.clear()
+            self._keys_of.clear()
             return True
         if operation == "reset":
-            for key in [key for key in statements if (name is None or key[0] == name)
-                        and (rank is None or key[1] == rank)]:
-                del statements[key]
+            self._drop(name, rank, KINDS)
             return True
-        if name is not None and name not in self.names() and \
-                len(self.names()) >= MAX_STEERED_NAMES:
+        if name not in self._keys_of and len(self._keys_of) >= MAX_STEERED_NAMES:
             return False
         kind = "pause" if operation in ("pause", "resume") else operation
         # What this covers (its name or every name, its rank or every rank) can never
         # decide again: gone, so what is listed is what decides.
-        for key in [key for key in statements if key[2] == kind
-                    and (name is None or key[0] == name) and (rank is None or key[1] == rank)]:
-            del statements[key]
+        self._drop(name, rank, (kind,))
         if operation == "resume" and name is None and rank is None:
             return True  # no pause is left for it to undo
         budget = None
@@ -139,48 +140,80 @@ class SettingsTable:
             budget = self._kept_budgets.pop((name, rank, value), None) or Budget(value)
         statements[(name, rank, kind)] = Statement(next(self._order), operation, name, rank,
                                                    value, budget)
+        self._keys_of.setdefault(name, set()).add((name, rank, kind))
         return True
+
+    def end_replay(self) -> None:
+        """The replay after a ``forget`` is over: a ``first`` said from now on counts anew,
+        whatever it said before."""
+        self._kept_budgets = {}
+
+    def _drop(self, name: Optional[str], rank: Optional[int], kinds: tuple[str, ...]) -> None:
+        """Drop the statements of ``kinds`` that a statement for ``name`` and ``rank`` covers
+        (None: every one); only that name's are looked at, so a replay of many names takes
+        time in proportion to them, not to their square."""
+        keys = self._statements if name is None else self._keys_of.get(name, ())
+        for key in [key for key in keys if key[2] in kinds and (rank is None or key[1] == rank)]:
+            del self._statements[key]
+            left = self._keys_of[key[0]]
+            left.discard(key)
+            if not left:
+                del self._keys_of[key[0]]
 
     def statements(self) -> list[Statement]:
         """The statements in force, oldest first: what a later client is told, in order."""
         return sorted(self._statements.values())
 
     def names(self) -> set[Optional[str]]:
-        return {key[0] for key in self._statements}
+        return set(self._keys_of)
+
+    def __len__(self) -> int:
+        return len(self._statements)
 
     def settings(self, rank: Optional[int]) -> dict[Optional[str], Setting]:
         """What applies on ``rank``: per name with a statement of its own, and (None) for
         every other name; only what says something."""
-        statements = self._statements
         resolved = {}
         for name in self.names() | {None}:
-            setting = Setting()
-            for kind in KINDS:
-                said = [statements.get((who, where, kind)) for who in {name, None}
-                        for where in {rank, None}]
-                latest = max((s for s in said if s is not None), default=None)
-                if latest is None:
-                    continue
-                if kind == "every":
-                    setting.every = latest.value
-                elif kind == "first":
-                    setting.first = latest.budget
-                else:
-                    setting.paused = latest.operation == "pause"
-            if setting.every is not None or setting.first is not None or \
-                    setting.paused is not None:
+            setting = self.setting(name, rank)
+            if setting is not None:
                 resolved[name] = setting
         return resolved
+
+    def setting(self, name: Optional[str], rank: Optional[int]) -> Optional[Setting]:
+        """What applies to ``name`` (None: names with no statement of their own) on ``rank``;
+        None where nothing says anything, and for a name with no statement of its own (the
+        setting for None applies to it)."""
+        if name is not None and name not in self._keys_of:
+            return None
+        statements = self._statements
+        setting = Setting()
+        for kind in KINDS:
+            said = [statements.get((who, where, kind)) for who in {name, None}
+                    for where in {rank, None}]
+            latest = max((s for s in said if s is not None), default=None)
+            if latest is None:
+                continue
+            if kind == "every":
+                setting.every = latest.value
+            elif kind == "first":
+                setting.first = latest.budget
+            else:
+                setting.paused = latest.operation == "pause"
+        if setting.every is None and setting.first is None and setting.paused is None:
+            return None
+        return setting
 
 
 class Overrides:
     """This process's table of what the REPL set (see the module docstring).
 
     ``enabled=False`` (``THING_CONTROL=0``, ``Client(control=False)``) ignores
-    every message. ``rank()`` is this process's rank now, to skip messages
-    for another rank. ``throttles``, the client's counts, is told whether
-    anything is set (``Throttles.steered``): its compiled gate then leaves
-    every call to catch().
+    every message. ``rank()`` is this process's rank now: statements for every
+    rank are kept, and what applies is worked out again when it changes (a
+    job under ``mp.spawn`` connects before it knows its rank). ``throttles``,
+    the client's counts, is told whether anything is set
+    (``Throttles.steered``): its compiled gate then leaves every call to catch().
     """
 
     def __init__(self, enabled: bool, ttl: float, rank: Callable[[], Optional[int]],
@@ -193,10 +226,12 @@ class Overrides:
         self._table = SettingsTable()
         # Replaced whole by writers, never changed in place: catch() reads them unlocked.
         self._settings: dict[Optional[str], Setting] = {}
+        self._settings_rank: Optional[int] = None  # the rank _settings were worked out for
         self._requests: dict[str, int] = {}
         self._write = threading.Lock()
         self._connections: set[int] = set()  # ids of channels connected now
         self._expires_at: Optional[float] = None  # monotonic; once no connection is left
+        self._server: Optional[str] = None  # the instance of the server the table is from
         self._said: set[str] = set()
 
     # -- the training thread ---------------------------------------------------------
@@ -207,6 +242,13 @@ class Overrides:
         ``(0, False)`` when not. Called by catch() while :attr:`active`."""
         if name in self._requests and self._take_request(name):
             return throttle.count(), True
+        # Checked here too, not only by a channel reconnecting: a forked worker whose every
+        # call is paused opens none.
+        if self._expires_at is not None and time.monotonic() >= self._expires_at:
+            self.expire()
+        if self._rank() != self._settings_rank:  # learnt since the settings came
+            with self._write:
+                self._resolve_all()
         settings = self._settings
         setting = settings.get(name) or settings.get(None)
         if setting is None:
@@ -254,15 +296,16 @@ class Overrides:
             self._say_once("ignored", "thing: ignoring the REPL's control messages "
                            "(THING_CONTROL=0 or Client(control=False))")
             return
-        if message.operation == "replayed":  # read by the channel (see Channel._learn_settings)
-            return
-        if message.rank is not None and message.rank != self._rank():
-            return
         operation, name = message.operation, message.name
         with self._write:
             kept = True
+            if operation == "replayed":  # the channel reads it too (Channel._learn_settings)
+                self._table.end_replay()
+                return
             if operation == "request":
                 assert name is not None  # wire.decode_control refuses a request for no name
+                if message.rank is not None and message.rank != self._rank():
+                    return  # for the calls of now, of another rank
                 if name in self._requests or len(self._requests) < MAX_STEERED_NAMES:
                     self._requests = {**self._requests,
                                       name: self._requests.get(name, 0) + message.value}
@@ -273,18 +316,31 @@ class Overrides:
                     self._requests = {} if name is None else {
                         key: left for key, left in self._requests.items() if key != name}
                 kept = self._table.apply(operation, name, message.rank, message.value)
-                self._settings = self._table.settings(self._rank())
+                if name is None or operation == "forget" or self._rank() != self._settings_rank:
+                    self._resolve_all()
+                else:  # only this name's setting can have changed
+                    settings = dict(self._settings)
+                    setting = self._table.setting(name, self._settings_rank)
+                    if setting is None:
+                        settings.pop(name, None)
+                    else:
+                        settings[name] = setting
+                    self._settings = settings
             self._refresh()
         if not kept:
             self._say_once("full", f"thing: ignoring the REPL's settings for more than "
                                    f"{MAX_STEERED_NAMES} names")
         log.debug("thing: the REPL set %s", message)
 
-    def connected(self, channel: int) -> None:
-        """A connection to a server is up: the settings stay (the server replays its own)."""
+    def connected(self, channel: int, server: Optional[str]) -> None:
+        """A connection to the server instance ``server`` is up: the settings stay (the server
+        replays its own). A ``first`` count used up under another server (a REPL since
+        restarted) is not kept for the same ``first`` said anew."""
         with self._write:
             self._connections.add(channel)
             self._expires_at = None
+            if server != self._server:  # its replay decides all; nothing is kept from before
+                self._table, self._server = SettingsTable(), server
 
     def disconnected(self, channel: int) -> None:
         """A connection ended: with none left, the settings last ``ttl`` seconds more."""
@@ -310,7 +366,8 @@ class Overrides:
         self._write = threading.Lock()  # a sender thread of the parent may have held it
         self._connections = set()
         self._requests = {}
-        self._expires_at = time.monotonic() + self.ttl if self._settings else None
+        if self._expires_at is None and len(self._table):  # the parent was connected till now
+            self._expires_at = time.monotonic() + self.ttl
         self._refresh()
 
     def settings(self) -> dict[Optional[str], Setting]:
@@ -321,13 +378,20 @@ class Overrides:
         """Calls still requested, by name."""
         return dict(self._requests)
 
+    def _resolve_all(self) -> None:
+        """Work out what applies to every name, on the rank this process has now."""
+        self._settings_rank = rank = self._rank()
+        self._settings = self._table.settings(rank)
+
     def _forget_all(self) -> None:
         self._table = SettingsTable()
         self._settings, self._requests, self._expires_at = {}, {}, None
         self._refresh()
 
     def _refresh(self) -> None:
-        self.active = bool(self._settings or self._requests)
+        # Statements for another rank only also make it active: this process may learn
+        # that it is that rank (see admit).
+        self.active = bool(self._settings or self._requests or len(self._table))
         if self._throttles is not None:
             self._throttles.steered = self.active
 

@@ -124,6 +124,7 @@ class ReceiveSettings:
     counts: ReceiveCounts
     closing: threading.Event
     warn: Callable[[str, str], None]  # (peer address, message), rate-limited per peer
+    steering: str  # the server's steering instance (Steering.instance), told in the welcome
 
 
 class Connection:
@@ -199,7 +200,7 @@ class Connection:
         # Proven (or no token asked): from now on it holds a slot like any client.
         self.handshaken, self.since = True, time.monotonic()
         welcome = {"server": "thing", "pid": os.getpid(), "notices": True, "control": True,
-                   "replay": True}
+                   "replay": True, "steering": settings.steering}
         send_buffers(sock, [wire.encode_handshake(welcome)])
         self._deadline.stop()
         self.sender = Sender(

@@ -487,6 +487,7 @@ class Server:
             idle_timeout=self.idle_timeout, min_rate=self.min_rate, deadlines=self._deadlines,
             header_budget=self._header_budget, max_mappings=config.max_mappings(),
             counts=self._counts, closing=self._closing, warn=self._warn_about,
+            steering=self.steering.instance,
         )
 
     def _warn_about(self, address: str, message: str) -> None:

@@ -16,6 +16,7 @@ along, and holds nothing it no longer should. The client applies them
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from typing import TYPE_CHECKING, Optional
 
@@ -37,6 +38,9 @@ class Steering:
         self._lock = threading.Lock()
         self._table = SettingsTable()
         self._connections: set[Connection] = set()
+        # Told to every client: one that reconnects to the same statements keeps what a
+        # first= let through, one that meets a restarted REPL's starts afresh.
+        self.instance = secrets.token_hex(8)
 
     def attach(self, connection: Connection) -> None:
         """Start steering a client that has just connected: what is in force, after a
