@@ -29,6 +29,16 @@ def test_freed_memory_is_reused_up_to_the_cap() -> None:
     assert pool.array(spec(100)).base is None  # small arrays come from malloc, not the pool
 
 
+def test_memory_beyond_the_cap_goes_back_to_the_system_as_its_array_dies() -> None:
+    """Not at the next large receive: a job that sent large arrays and then only small
+    ones, or a REPL that cleared a name of large captures, would hold it till then."""
+    pool = ReceiveBuffers(POOLED_FROM)
+    arrays = [pool.array(spec(POOLED_FROM)) for _ in range(4)]
+    del arrays
+    # Filed at once: one kept, three unmapped (nothing holds them any more).
+    assert not pool._returned and pool._free_bytes == POOLED_FROM
+
+
 def test_pooled_memory_is_private_not_shared() -> None:
     """Shared anonymous memory is shmem: no huge pages, and several times slower to fault
     in. The mapping behind a pooled array must be private (``p`` in /proc/self/maps)."""

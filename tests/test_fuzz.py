@@ -184,7 +184,7 @@ def read_like_the_server(data: bytes, limits: wire.Limits = LIMITS,
         min_rate=float(1 << 20), deadlines=Deadlines(), header_budget=HeaderBudget(64 << 20),
         max_mappings=16,
         counts=ReceiveCounts(),
-        closing=threading.Event(), warn=lambda address, message: None,
+        closing=threading.Event(), warn=lambda address, message: None, steering="fuzz",
     )
     ours, theirs = socket.socketpair()
     with ours, theirs:
@@ -260,7 +260,7 @@ _ACK_PIECES = st.one_of(
     st.builds(wire.encode_ack, st.integers(0, 2**64 - 1), st.integers(-(2**63), 2**63 - 1),
               st.text(max_size=30)),
     st.builds(wire.encode_control, st.sampled_from(list(wire.CONTROL_CODES)),
-              st.none() | st.text(max_size=10), st.none() | st.integers(0, 7)),
+              st.none() | st.text(min_size=1, max_size=10), st.none() | st.integers(0, 7)),
     st.binary(min_size=1, max_size=30),
 )
 

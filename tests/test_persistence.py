@@ -203,6 +203,26 @@ def test_loading_into_a_store_that_holds_captures_keeps_arrival_order(tmp_path: 
     assert live.get("loss").value == 7.0
 
 
+def test_save_writes_what_is_kept_at_one_moment_while_captures_arrive(tmp_path: Path) -> None:
+    """A capture stored while save() looks at the store (a job streams on) neither pushes
+    the oldest kept ones out of the file nor is half in it: save() took the count, then
+    the newest that many, and a capture arriving between the two left out the oldest."""
+
+    class Streaming(HistoryStore):
+        def __len__(self) -> int:  # as a connection thread storing a capture right after
+            count = super().__len__()
+            self.add("loss", -1.0, (), 0, Sender("job:1"))
+            return count
+
+    store = Streaming()
+    for step in range(5):
+        store.add("loss", float(step), (), 0, Sender("job:1"))
+    assert store.save(tmp_path / "rec") == 5
+    saved = HistoryStore()
+    saved.load(tmp_path / "rec")
+    assert [c.value for c in saved.get_all("loss")] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
 def test_loaded_arrays_are_mapped_not_read(tmp_path: Path) -> None:
     store = HistoryStore()
     big = np.arange(16 << 20, dtype=np.uint8)
@@ -433,9 +453,11 @@ def test_a_recording_directory_and_the_repl_functions(tmp_path: Path) -> None:
         print(thing.get("w").tolist())
         thing.describe("w")
         thing.save({str(tmp_path / "again")!r}, names=["n"])
+        print("cleared", thing.clear("w"), "kept", len(thing.get_all("n")))  # with no server
         thing.serve(port=0)
         print(thing.get("n"))
     """)
+    assert "cleared 1 kept 1" in out.splitlines()
     assert out.splitlines()[:2] == ["2", "[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]"]
     assert "x.py:1" in out and "{'k': [1, np.int16(3)]}" in out
     assert HistoryStore().load(tmp_path / "again") == 1

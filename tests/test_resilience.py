@@ -181,6 +181,34 @@ def test_cut_connections_store_nothing_corrupted_and_leak_nothing(
     poll(lambda: open_fds() <= baseline_fds, 10, f"descriptors back to {baseline_fds}")
 
 
+def test_close_cuts_off_a_peer_that_reads_none_of_its_answers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection owes answers to a peer that reads none: its thread waits in a send.
+    close() waits CLOSE_SECONDS for all of them together (it had waited 5 s for each in
+    turn), then cuts them off, so no thread outlives it to show up after a restart."""
+    monkeypatch.setattr("thing.server.CLOSE_SECONDS", 0.5)
+    server = thing.Server(port=0).start()
+    peer = socket.socket()
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # its answers pile up sooner
+    peer.connect(("127.0.0.1", server.port))
+    peer.sendall(wire.encode_handshake({"hostname": "deaf", "pid": 1}))
+    frames = b"".join(frame_bytes(np.arange(4, dtype=np.float32), seq=i) for i in range(1000))
+    peer.settimeout(1.0)
+    deadline = time.monotonic() + 60
+    try:
+        while True:  # until the server stops reading: it is stuck sending the answers
+            assert time.monotonic() < deadline, "the server kept reading"
+            peer.sendall(frames)
+    except TimeoutError:
+        pass
+    started = time.monotonic()
+    server.close()
+    assert time.monotonic() - started < 0.5 + 1.0 + 2.0
+    assert not [t for t in threading.enumerate() if t.name.startswith("thing-conn")]
+    assert server.clients() == []
+    peer.close()
+
+
 def test_a_server_that_breaks_the_protocol_at_once_is_not_redialled_in_a_loop(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each connection is answered, then sent bytes that are no message: the client drops

@@ -789,15 +789,18 @@ def test_a_token_file_others_can_read_is_not_used(tmp_path: Path,
 # -- slots: a silent crowd is no barrier ------------------------------------------------------
 
 
-def test_idle_peers_holding_every_slot_do_not_keep_a_client_out() -> None:
+def test_idle_peers_holding_every_slot_do_not_keep_a_client_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("thing.server.IDLE_SECONDS", 0.2)  # idle that long: they make room
     with thing.Server(port=0) as server:
         server.max_connections = 16
         idle = [raw_peer(server.port, f"idle-{i}") for i in range(16)]  # handshake, then nothing
         try:
             poll(lambda: len(server.clients()) == 16, what="the idle peers to take every slot")
             client = thing.Client("127.0.0.1", server.port)
-            try:
-                assert client.catch(np.arange(4), name="legit").wait(15)
+            try:  # (refused while they are idle for less than IDLE_SECONDS: it retries)
+                poll(lambda: client.catch(np.arange(4), name="legit").wait(5), 15,
+                     "the client to be let in")
             finally:
                 client.close()
             assert server.get("legit").tolist() == [0, 1, 2, 3]
@@ -805,6 +808,42 @@ def test_idle_peers_holding_every_slot_do_not_keep_a_client_out() -> None:
         finally:
             for peer in idle:
                 peer.close()
+
+
+def test_clients_that_send_keep_their_slots_and_lose_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every slot held by clients that send, a newcomer is refused (it retries): it
+    had cut off the one that sent longest ago, 20 ms before, whose captures in flight were
+    lost, and which then cut off another on its way back."""
+    monkeypatch.setattr("thing.server.IDLE_SECONDS", 2.0)
+    with thing.Server(port=0) as server:
+        server.max_connections = 2
+        senders = [thing.Client("127.0.0.1", server.port) for _ in range(2)]
+        try:
+            stop = threading.Event()
+            handles: list[Any] = []
+
+            def send(client: thing.Client) -> None:
+                while not stop.is_set():
+                    handles.append(client.catch(np.arange(4), name="steady"))
+                    time.sleep(0.02)
+
+            threads = [threading.Thread(target=send, args=(c,)) for c in senders]
+            for thread in threads:
+                thread.start()
+            poll(lambda: len(server.clients()) == 2, what="both senders connected")
+            for _ in range(5):  # newcomers, one after another, through the cap
+                with socket.create_connection(("127.0.0.1", server.port), timeout=10) as extra:
+                    extra.sendall(wire.encode_handshake({"hostname": "extra", "pid": 1}))
+                    assert read_to_end(extra) == b""  # refused
+            stop.set()
+            for thread in threads:
+                thread.join(10)
+            assert all(handle.wait(10) for handle in handles), {h.error for h in handles}
+            assert server.refused == 5
+        finally:
+            for client in senders:
+                client.close()
 
 
 def test_peers_that_never_answer_the_challenge_do_not_keep_a_token_client_out(

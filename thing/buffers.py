@@ -46,10 +46,7 @@ class ReceiveBuffers:
         self._free: defaultdict[int, list[mmap.mmap]] = defaultdict(list)
         self._free_bytes = 0
         self._lock = threading.Lock()
-        # Where dying arrays drop their memory. A finalizer may run in the middle of any
-        # allocation, on any thread, even one inside this class holding the lock, so
-        # it must neither lock nor run Python code: deque.append is one atomic C call.
-        # The memory is filed into the free lists later, by the next caller.
+        # Where dying arrays drop their memory (see _give_back).
         self._returned: deque[mmap.mmap] = deque()
 
     def array(self, spec: LeafSpec) -> np.ndarray:
@@ -69,8 +66,22 @@ class ReceiveBuffers:
         flat = np.frombuffer(memory, dtype, nbytes // dtype.itemsize)
         # Every view (a reshape, a slice, a torch tensor) keeps ``flat`` alive: the memory
         # comes back only when the last of them is gone.
-        weakref.finalize(flat, self._returned.append, memory)
+        weakref.finalize(flat, self._give_back, memory)
         return flat.reshape(spec.shape)
+
+    def _give_back(self, memory: mmap.mmap) -> None:
+        """File the memory of an array that died: kept for reuse, or unmapped beyond the cap,
+        at once, not at the next large receive (evicted or cleared captures would hold their
+        memory until then, which could be never). A finalizer may run in the middle of any
+        allocation, on any thread, even one inside this class holding the lock: so it never
+        waits for the lock, and memory returned while the lock is held waits in
+        ``_returned`` for the next caller."""
+        self._returned.append(memory)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._file_returned()
+            finally:
+                self._lock.release()
 
     def _file_returned(self) -> None:
         """Move returned memory to the free lists, up to the cap (the caller holds the lock)."""

@@ -79,7 +79,7 @@ def save(store: HistoryStore, path: PathLike, names: Iterable[str] | None = None
 
 def _save(store: HistoryStore, directory: Path, names: Iterable[str] | None) -> int:
     if names is None:
-        captures = store.recent(len(store))[::-1]
+        captures = store.kept()
     else:
         captures = sorted((capture for name in dict.fromkeys(names)
                            for capture in store.get_all(name, run=ALL_RUNS)),

@@ -43,6 +43,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("thing")
 
+# How long close() waits, in all, for connections to send the answers they owe and end;
+# then any still sending (to a peer that reads nothing) is cut off.
+CLOSE_SECONDS = 5.0
+# When every slot is taken, a connection that sent nothing for this long makes room.
+IDLE_SECONDS = 5.0
+
 
 @dataclass(frozen=True)
 class ServerInfo:
@@ -166,8 +172,15 @@ class Server:
                 _shutdown_reading(sock)
         with self._lock:
             threads = list(self._threads)
+        deadline = time.monotonic() + CLOSE_SECONDS
         for thread in threads:
-            thread.join(timeout=5)
+            thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+        with self._lock:
+            # A peer that reads none of what it is sent keeps its thread in a send: cut off.
+            for sock in self._connections:
+                shutdown(sock)
+        for thread in threads:
+            thread.join(timeout=1.0)
         self._listener.close()
         self._listener = None
         self.buffers.clear()
@@ -410,14 +423,19 @@ class Server:
         Counted from accept, not from the handshake: peers that connect and say
         nothing must not pile up threads. Peers still in the handshake hold at most
         a quarter of the slots (the one waiting longest goes first), and when all
-        slots are taken the connection idle the longest goes (its client
-        reconnects by itself): a silent crowd is no barrier to a new client.
+        slots are taken the connection idle the longest goes, if it has sent
+        nothing for IDLE_SECONDS (its client reconnects by itself): a silent crowd
+        is no barrier to a new client. A newcomer is refused rather than cut off a
+        client that sends, whose captures in flight would be lost (and which would
+        cut off another on its way back).
         """
         connection = receiver.Connection(sock, name, self._settings())
+        quiet_since = time.monotonic() - IDLE_SECONDS
         with self._lock:
             connections = list(self._connections.values())
             unproven = [c for c in connections if not c.handshaken]
-            idle = [c for c in connections if c.handshaken and not c.busy]
+            idle = [c for c in connections
+                    if c.handshaken and not c.busy and c.since <= quiet_since]
             if len(unproven) >= max(self.max_connections // 4, 1):
                 make_room = min(unproven, key=lambda c: c.since)
             elif len(connections) >= self.max_connections and idle:
@@ -425,8 +443,9 @@ class Server:
             elif len(connections) >= self.max_connections:
                 make_room = None
                 self.refused += 1
-                log.warning("refused %s: already serving %d clients, none idle "
-                            "(THING_MAX_CONNECTIONS)", name, self.max_connections)
+                log.warning("refused %s: already serving %d clients, none idle for %g s "
+                            "(THING_MAX_CONNECTIONS)", name, self.max_connections,
+                            IDLE_SECONDS)
                 sock.close()
                 return
             else:

@@ -15,6 +15,7 @@ import difflib
 import logging
 import numbers
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -544,7 +545,8 @@ class HistoryStore:
         if close:
             return f"no capture named {name!r}; did you mean {', '.join(map(repr, close))}?"
         if not known:
-            return f"no capture named {name!r}: nothing has been received yet"
+            return (f"no capture named {name!r}: nothing is kept (none received yet, or "
+                    "all cleared or evicted)")
         shown = ", ".join(map(repr, known[:20])) + (", ..." if len(known) > 20 else "")
         return f"no capture named {name!r}; known names: {shown}"
 
@@ -564,6 +566,12 @@ class HistoryStore:
         """The ``count`` most recent captures, newest first."""
         with self._lock:
             return list(islice(reversed(self._by_id.values()), max(count, 0)))
+
+    def kept(self) -> list[Capture]:
+        """Every capture kept at this moment, oldest first (one look, under the lock: what
+        arrives meanwhile neither joins it nor pushes its oldest out)."""
+        with self._lock:
+            return list(self._by_id.values())
 
     def versions(self, name: str) -> int:
         """How many versions of ``name`` are kept."""
@@ -715,8 +723,8 @@ def _header_bytes(value: Any) -> int:
     stack = [value]
     while stack:
         node = stack.pop()
-        if isinstance(node, str):
-            total += 50 + len(node)
+        if isinstance(node, str):  # 1, 2 or 4 bytes a character, as CPython holds it
+            total += sys.getsizeof(node)
         elif isinstance(node, dict):
             total += 64 + 100 * len(node)
             for key, item in node.items():
