@@ -613,6 +613,9 @@ def test_help_lists_every_public_function_and_class(capsys, monkeypatch) -> None
     assert "thing.get(name_or_id, index=0, rank=None, *, step=None, run=None)" in out
     assert "The newest capture of a name" in out
     assert out.index("thing.catch(") < out.index("thing.serve(") < out.index("thing.Server(")
+    # A sentence that spans lines is shown whole, not cut at its first line's end.
+    assert ("Make the next count calls of name in the running jobs send, whatever their "
+            "throttles say (rank=: only that rank's).") in out
 
 
 def test_reports_load_no_rendering_library() -> None:

@@ -31,7 +31,7 @@ class Sender:
     pid: int = 0
     rank: int | None = None
     world_size: int | None = None
-    run: str | None = None  # the training job it belongs to (see thing/runs.py)
+    run: str | None = None  # the training job it belongs to (see thing/run_names.py)
 
 
 class Capture:

@@ -320,7 +320,9 @@ def wait(name: str, timeout: float | None = None) -> Any:
 @_short_traceback
 def clear(name: str | None = None) -> int:
     """Forget one name's history, or everything; returns how many captures were dropped."""
-    return default_server().clear(name)
+    if _server is not None and _server.running:
+        return _server.clear(name)
+    return _store().clear(name)  # a loaded recording's, with no server
 
 
 @_short_traceback
@@ -383,7 +385,7 @@ def status(watch: bool = True) -> None:
 
 
 def help() -> None:  # noqa: A001 - thing.help() is the documented entry point
-    """List every public function of thing with its signature and first line."""
+    """List every public function of thing with its signature and first sentence."""
     from . import display, reports
 
     display.show(reports.help_report())

@@ -83,7 +83,8 @@ def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None 
     if overview.rejected:
         counts.append(f"{overview.rejected} refused for lack of room")
     if info is not None and info.dropped_transfers:
-        counts.append(f"{info.dropped_transfers} transfers dropped incomplete or invalid")
+        counts.append(f"{info.dropped_transfers} frames refused or cut short (over a limit, "
+                      "invalid, or incomplete)")
     if info is not None and info.refused:
         counts.append(f"{info.refused} connections refused at the cap")
     held = f"{bytes_text(overview.held_bytes)} held of a {bytes_text(overview.max_bytes)} cap"
@@ -315,7 +316,7 @@ def _leaf_paths(value: Any) -> list[tuple[str, Any]]:
 
 
 def help_report() -> Report:
-    """Every public function and class of thing with its signature and first line."""
+    """Every public function and class of thing with its signature and first sentence."""
     import thing
 
     public = [*thing.__all__, "help"]
@@ -325,14 +326,14 @@ def help_report() -> Report:
     for name in ordered:
         obj = getattr(thing, name)
         if inspect.isclass(obj) and issubclass(obj, BaseException):
-            errors.append((f"thing.{name}", _first_line(obj)))
+            errors.append((f"thing.{name}", _first_sentence(obj)))
         elif inspect.isclass(obj):
             methods = [m for m, _ in inspect.getmembers(obj, inspect.isfunction)
                        if not m.startswith("_")]
-            line = _first_line(obj) + (f" Methods: {', '.join(methods)}." if methods else "")
+            line = _first_sentence(obj) + (f" Methods: {', '.join(methods)}." if methods else "")
             classes.append((f"thing.{name}{_signature(obj)}", line))
         elif callable(obj):
-            functions.append((f"thing.{name}{_signature(obj)}", _first_line(obj)))
+            functions.append((f"thing.{name}{_signature(obj)}", _first_sentence(obj)))
     return Report(
         Entries("Functions", functions),
         Entries("Classes", classes),
@@ -353,12 +354,15 @@ def _signature(obj: Any) -> str:
     return str(signature.replace(parameters=parameters, return_annotation=empty))
 
 
-def _first_line(obj: Any) -> str:
+def _first_sentence(obj: Any) -> str:
     doc = (inspect.getdoc(obj) or "").strip()
     if not doc:
         return ""
+    # The first sentence, whatever lines it spans: its first line alone stopped mid-phrase.
+    paragraph = " ".join(doc.split("\n\n")[0].split())
+    sentence = re.split(r"(?<=[.!?])\s+(?=[A-Z(`])", paragraph, maxsplit=1)[0]
     # reStructuredText to plain text: ``code`` -> code, :class:`Name` -> Name.
-    return re.sub(r":\w+:`~?([^`]*)`", r"\1", doc.splitlines()[0]).replace("``", "")
+    return re.sub(r":\w+:`~?([^`]*)`", r"\1", sentence).replace("``", "")
 
 
 # -- how a capture reads in a cell --------------------------------------------------------
