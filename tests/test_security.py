@@ -518,6 +518,36 @@ def test_stalled_peers_are_dropped_while_another_client_streams() -> None:
         server.close()
 
 
+def test_the_deadline_watcher_sleeps_while_no_deadline_runs() -> None:
+    """Frames stored on the fast path set no deadline: the watcher waits for one to start
+    (it had woken every second, as every idle connection had), and closing ends its wait."""
+    from thing.receiver import Deadlines
+
+    deadlines, closing = Deadlines(), threading.Event()
+    returned = threading.Event()
+
+    def watch() -> None:
+        deadlines.wait_until_armed(closing)
+        returned.set()
+
+    for end in ("a deadline starts", "closing"):
+        returned.clear()
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        assert not returned.wait(0.3)  # asleep
+        if end == "closing":
+            closing.set()
+            deadlines.wake()
+        else:
+            with socket.socket() as sock:
+                deadlines.start(sock, 60)
+                assert returned.wait(5)
+                deadlines.wait_until_armed(closing)  # one runs: at once
+                deadlines.stop(sock)
+        watcher.join(5)
+        assert returned.is_set() and not watcher.is_alive()
+
+
 def test_a_peer_trickling_its_hello_is_dropped_after_the_handshake_timeout() -> None:
     """SO_RCVTIMEO restarts with every byte: the handshake needs a deadline of its own."""
     server = thing.Server(port=0)

@@ -75,14 +75,34 @@ class Deadlines:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._due: dict[socket.socket, float] = {}
+        # Set while deadlines may be running: the watcher sleeps on it when none is, so
+        # a server whose frames all take the fast path (which sets none) is never woken.
+        self._armed = threading.Event()
 
     def start(self, sock: socket.socket, seconds: float) -> None:
         with self._lock:
             self._due[sock] = time.monotonic() + seconds
+        if not self._armed.is_set():
+            self._armed.set()
 
     def stop(self, sock: socket.socket) -> None:
         with self._lock:
             self._due.pop(sock, None)
+
+    def wait_until_armed(self, closing: threading.Event) -> None:
+        """Return once a deadline runs (at once if one does) or ``closing`` is set (and
+        :meth:`wake` called after it)."""
+        with self._lock:
+            if self._due or closing.is_set():
+                return
+            self._armed.clear()
+        self._armed.wait()
+
+    def wake(self) -> None:
+        """End a :meth:`wait_until_armed`, under the lock: one that looked at ``closing``
+        before it was set has cleared the event by now, not after this."""
+        with self._lock:
+            self._armed.set()
 
     def expired(self) -> list[socket.socket]:
         """Forget and return the sockets whose deadline has passed."""
@@ -272,13 +292,15 @@ class Connection:
         once closing or when the peer closed between frames."""
         if self._stream.buffered:
             return True
-        while not self.settings.closing.is_set():
-            if self._poller.poll(1000):
-                try:
-                    return self._stream.receive_arrived() > 0
-                except ConnectionResetError:  # between frames: as a clean close
-                    return False
-        return False
+        if self.settings.closing.is_set():
+            return False
+        # No timeout: closing shuts every connection's reading side, which ends the wait
+        # (an idle connection had woken once a second to look).
+        self._poller.poll()
+        try:
+            return self._stream.receive_arrived() > 0
+        except ConnectionResetError:  # between frames: as a clean close
+            return False
 
     def _frame_buffered(self) -> bool:
         """Whether the next frame has arrived whole (so reading it waits for nothing)."""

@@ -163,6 +163,7 @@ class Server:
             self._close_recorders()
             return
         self._closing.set()
+        self._deadlines.wake()
         shutdown(self._listener)
         if self._unix_listener is not None:
             shutdown(self._unix_listener)
@@ -459,7 +460,10 @@ class Server:
         self._spawn(self._serve_connection, f"thing-conn-{name}", connection)
 
     def _enforce_deadlines(self) -> None:
-        while not self._closing.wait(min(1.0, self.idle_timeout / 4)):
+        while not self._closing.is_set():
+            self._deadlines.wait_until_armed(self._closing)
+            if self._closing.wait(min(1.0, self.idle_timeout / 4)):
+                return
             for sock in self._deadlines.expired():
                 connection = self._connections.get(sock)
                 self._warn_about(
