@@ -63,6 +63,7 @@ VALUE = np.arange(4, dtype=np.float32)
 RAW_RECEIVER = """
 import socket, sys
 family, address, size, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+answer = bytes(int(sys.argv[5]))  # if not empty, sent back for each message, as thing acks it
 if family == "unix":
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
@@ -83,6 +84,8 @@ while True:
                 raise SystemExit("cut short")
             got += n
         kept.append(message)
+        if answer:
+            sock.sendall(answer)
     expected = (bytes(range(256)) * (size // 256 + 1))[:size]
     sock.sendall(b"\\x01" if len(kept) == count and kept[-1] == expected else b"\\x00")
     sock.close()
@@ -128,13 +131,13 @@ def frame_size() -> int:
 
 
 class RawMethod:
-    def __init__(self, family: str, size: int, count: int):
+    def __init__(self, family: str, size: int, count: int, answer: int = 0):
         self.family, self.size, self.count = family, size, count
         self.address = (os.path.join(tempfile.mkdtemp(), "raw.sock") if family == "unix"
                         else "")
         self.child = subprocess.Popen(
-            [sys.executable, "-c", RAW_RECEIVER, family, self.address, str(size), str(count)],
-            stdout=subprocess.PIPE, text=True)
+            [sys.executable, "-c", RAW_RECEIVER, family, self.address, str(size), str(count),
+             str(answer)], stdout=subprocess.PIPE, text=True)
         where = self.child.stdout.readline().strip()
         self.target = where if family == "unix" else ("127.0.0.1", int(where))
         self.message = (bytes(range(256)) * (size // 256 + 1))[:size]
@@ -352,6 +355,44 @@ def paced(rate: float, count: int) -> tuple[float, float]:
     return background / count * 1e6, served / count * 1e6
 
 
+def paced_raw(rate: float, count: int) -> tuple[float, float]:
+    """The floor under :func:`paced`: a raw Unix socket at ``rate`` messages/s, each as long as
+    thing's frame, received into a fresh ``bytearray`` that is kept and answered with an
+    acknowledgement's worth of bytes, as thing's server answers. Returns (the sender's CPU in
+    its send and answer-reading calls, the receiver process's CPU), µs per message: what any
+    sender that wakes a receiver once a message costs on this machine."""
+    from thing import wire
+
+    raw = RawMethod("unix", frame_size(), count, answer=wire.ACK.size)
+    try:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(raw.target)
+            answers, owed = 0, count * wire.ACK.size
+            sending, served = 0.0, cpu_seconds(raw.child.pid)
+            due = time.perf_counter()
+            for _ in range(count):
+                started = time.thread_time()
+                sock.sendall(raw.message)
+                try:
+                    answers += len(sock.recv(owed - answers, socket.MSG_DONTWAIT))
+                except BlockingIOError:
+                    pass
+                sending += time.thread_time() - started
+                due += 1 / rate
+                pause = due - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+            sock.settimeout(60)
+            while answers < owed:
+                answers += len(sock.recv(owed - answers))
+            served = cpu_seconds(raw.child.pid) - served
+            if sock.recv(1) != b"\x01":
+                raise RuntimeError("the raw receiver did not get every message")
+    finally:
+        raw.close()
+    return sending / count * 1e6, served / count * 1e6
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5,000 captures, 2 trials")
@@ -436,13 +477,18 @@ def print_fan_in(clients: int, each: int) -> int:
 
 
 def print_paced(quick: bool) -> None:
-    print("\npaced, CPU outside the caller's thread per capture (µs):")
-    print(f"{'rate /s':>9}{'captures':>10}{'client':>9}{'server':>9}{'together':>10}")
+    print("\npaced, CPU per capture (µs): thing's outside the caller's thread (the client's "
+          "other threads,\nthe server); raw-unix's in its send calls and its receiver, woken "
+          "once a message")
+    print(f"{'rate /s':>9}{'captures':>10}{'method':>10}{'client':>9}{'server':>9}"
+          f"{'together':>10}{'x raw':>8}")
     for pace, captures in ((50, 500 if quick else 3_000),
                            (5_000, 2_000 if quick else 20_000)):
-        client_us, server_us = paced(pace, captures)
-        print(f"{pace:>9,}{captures:>10,}{client_us:>9.1f}{server_us:>9.1f}"
-              f"{client_us + server_us:>10.1f}")
+        rows = {"raw-unix": paced_raw(pace, captures), "thing": paced(pace, captures)}
+        raw = sum(rows["raw-unix"])
+        for method, (client_us, server_us) in rows.items():
+            print(f"{pace:>9,}{captures:>10,}{method:>10}{client_us:>9.1f}{server_us:>9.1f}"
+                  f"{client_us + server_us:>10.1f}{(client_us + server_us) / raw:>8.2f}")
 
 
 if __name__ == "__main__":
