@@ -37,6 +37,15 @@ def test_memory_beyond_the_cap_goes_back_to_the_system_as_its_array_dies() -> No
     del arrays
     # Filed at once: one kept, three unmapped (nothing holds them any more).
     assert not pool._returned and pool._free_bytes == POOLED_FROM
+    # A closed server's pool keeps nothing for a reuse that will not come; reopened, it does.
+    kept = pool.array(spec(POOLED_FROM))
+    pool.close()
+    del kept
+    assert pool.spare_bytes == 0
+    pool.open()
+    again = pool.array(spec(POOLED_FROM))
+    del again
+    assert pool.spare_bytes == POOLED_FROM
 
 
 def test_pooled_memory_is_private_not_shared() -> None:

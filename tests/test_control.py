@@ -408,6 +408,47 @@ def test_a_first_used_up_under_a_repl_since_restarted_counts_anew(jobs: list[Job
         assert calls_of(restarted, "x") == [5, 6]
 
 
+def test_a_first_said_anew_after_a_reconnection_counts_anew(server: thing.Server,
+                                                            jobs: list[Job]) -> None:
+    """A reconnection to the same REPL keeps what a first= let through only for the
+    statements it replays: a first said again after a reset sends that many."""
+    jobs.append(job := Job(server.port, THING_RECONNECT_INTERVAL="0.2"))
+    server.first("x", 2)
+    job.sync()
+    job.catch("x", 3)
+    assert calls_of(server, "x") == [1, 2]
+    server.max_connections = 0  # the job is cut off, and kept off for now
+    with server._lock:
+        for sock in list(server._connections):
+            sock.shutdown(socket.SHUT_RDWR)
+    poll(lambda: server.steering.clients == 0, what="the job to be cut off")
+    server.reset("x")  # said while it is away: its replay holds no first for x
+    server.max_connections = 256
+    poll(lambda: server.steering.clients == 1, what="the job to reconnect")
+    server.first("x", 2)
+    job.sync()
+    job.catch("x", 3)
+    assert calls_of(server, "x") == [1, 2, 4, 5]
+
+
+def test_a_setting_for_another_rank_changes_nothing_here() -> None:
+    """Kept for the rank this process may learn it is, a statement for another rank neither
+    makes an on-demand name its own here nor turns the compiled gate off once the rank
+    is known."""
+    steered = overrides()  # rank 1
+    steered.apply(read(message("every", None, None, 1)))
+    steered.apply(read(message("pause", "probe", 3)))
+    throttle = thing._core.Throttles().of("probe")
+    assert steered.admit("probe", throttle, 1, None, True) == (0, False)  # not asked for
+    ranked = overrides()
+    ranked.apply(read(message("pause", "grad_norm", 3)))
+    assert not ranked.active and ranked.settings() == {}
+    for name in range(1000):  # the cap on names leaves every-name statements alone
+        ranked.apply(read(message("every", f"n{name}", None, 2)))
+    ranked.apply(read(message("pause")))
+    assert ranked.settings()[None].paused
+
+
 def test_a_setting_for_a_rank_applies_once_the_job_learns_its_rank(server: thing.Server
                                                                    ) -> None:
     """Under mp.spawn a job connects, and hears the settings, before torch.distributed

@@ -335,7 +335,7 @@ def _float_converter(flat: Any, spec: LeafSpec | None) -> Any:
 def _magnitudes(raw: np.ndarray) -> np.ndarray:
     """``|z|`` as float64, worked out in complex128: in complex64 a finite ``3e38+3e38j``
     would overflow to inf."""
-    return np.abs(raw.astype(np.complex128)) if raw.dtype.itemsize <= 16 else (
+    return np.abs(raw.astype(np.complex128, copy=False)) if raw.dtype.itemsize <= 16 else (
         np.abs(raw).astype(np.float64))
 
 

@@ -45,6 +45,7 @@ class ReceiveBuffers:
         self.max_bytes = max_bytes
         self._free: defaultdict[int, list[mmap.mmap]] = defaultdict(list)
         self._free_bytes = 0
+        self._keeping = True  # False once closed: memory returned then goes to the system
         self._lock = threading.Lock()
         # Where dying arrays drop their memory (see _give_back).
         self._returned: deque[mmap.mmap] = deque()
@@ -61,6 +62,7 @@ class ReceiveBuffers:
             memory = spare.pop() if spare else None
             if memory is not None:
                 self._free_bytes -= nbytes
+        self._file_now()  # what died while the lock was held here
         if memory is None:
             memory = fresh_memory(nbytes)
         flat = np.frombuffer(memory, dtype, nbytes // dtype.itemsize)
@@ -77,7 +79,11 @@ class ReceiveBuffers:
         waits for the lock, and memory returned while the lock is held waits in
         ``_returned`` for the next caller."""
         self._returned.append(memory)
-        if self._lock.acquire(blocking=False):
+        self._file_now()
+
+    def _file_now(self) -> None:
+        """File what was returned, unless another caller holds the lock (it files after)."""
+        if self._returned and self._lock.acquire(blocking=False):
             try:
                 self._file_returned()
             finally:
@@ -91,7 +97,7 @@ class ReceiveBuffers:
             except IndexError:
                 return
             # A mapping left out unmaps once its last reference, this one, goes.
-            if self._free_bytes + len(memory) <= self.max_bytes:
+            if self._keeping and self._free_bytes + len(memory) <= self.max_bytes:
                 self._free[len(memory)].append(memory)
                 self._free_bytes += len(memory)
 
@@ -102,9 +108,23 @@ class ReceiveBuffers:
             self._free.clear()
             self._free_bytes = 0
 
+    def close(self) -> None:
+        """Return every spare buffer, and the memory of arrays that die from now on, to the
+        operating system (the server stopped receiving: nothing would reuse it)."""
+        with self._lock:
+            self._keeping = False
+        self.clear()
+
+    def open(self) -> None:
+        """Keep freed memory for reuse again (the server receives again)."""
+        with self._lock:
+            self._keeping = True
+
     @property
     def spare_bytes(self) -> int:
         """Bytes held for reuse, beyond those of stored captures."""
         with self._lock:
             self._file_returned()
-            return self._free_bytes
+            spare = self._free_bytes
+        self._file_now()  # what died while the lock was held here
+        return spare

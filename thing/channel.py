@@ -424,8 +424,7 @@ class Channel:
     def _steer(self, message: wire.ControlMessage) -> None:
         if message.operation == "replayed":
             self._replayed = True
-        else:
-            self.overrides.apply(message)
+        self.overrides.apply(message)
 
     def _learn_settings(self, answers: Answers) -> None:
         """Before sending on a new connection, read what the server says is set (a

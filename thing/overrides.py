@@ -4,8 +4,9 @@ The REPL steers a running job with control messages (``wire.CONTROL``): data
 from a fixed set of operations, for a name or every name, for a rank or
 every rank. A connection's sender thread decodes them and applies them here;
 ``catch()`` on the training thread reads the result without a lock, and only
-while something is set (:attr:`Overrides.active`): otherwise a call costs
-the one attribute read.
+while something is set (:attr:`Overrides.active`; or set for one rank, in a
+process that does not know its own yet): otherwise a call costs the one
+attribute read.
 
 - ``request(name, n)``: the next n calls of the name are sent, whatever
   the throttles say (an on-demand name is sent only so, or by a setting of
@@ -107,6 +108,7 @@ class SettingsTable:
     def __init__(self) -> None:
         self._statements: dict[_Key, Statement] = {}
         self._keys_of: dict[Optional[str], set[_Key]] = {}  # a name's keys: found at once
+        self._ranked = 0  # statements for one rank
         self._order = itertools.count()
         # first= counts of before a "forget": the replay that follows keeps them, and only
         # that replay (see end_replay).
@@ -123,11 +125,13 @@ class SettingsTable:
                                   for s in statements.values() if s.budget is not None}
             statements.clear()
             self._keys_of.clear()
+            self._ranked = 0
             return True
         if operation == "reset":
             self._drop(name, rank, KINDS)
             return True
-        if name not in self._keys_of and len(self._keys_of) >= MAX_STEERED_NAMES:
+        if name is not None and name not in self._keys_of and \
+                len(self._keys_of) >= MAX_STEERED_NAMES:
             return False
         kind = "pause" if operation in ("pause", "resume") else operation
         # What this covers (its name or every name, its rank or every rank) can never
@@ -141,6 +145,7 @@ class SettingsTable:
         statements[(name, rank, kind)] = Statement(next(self._order), operation, name, rank,
                                                    value, budget)
         self._keys_of.setdefault(name, set()).add((name, rank, kind))
+        self._ranked += rank is not None
         return True
 
     def end_replay(self) -> None:
@@ -155,6 +160,7 @@ class SettingsTable:
         keys = self._statements if name is None else self._keys_of.get(name, ())
         for key in [key for key in keys if key[2] in kinds and (rank is None or key[1] == rank)]:
             del self._statements[key]
+            self._ranked -= key[1] is not None
             left = self._keys_of[key[0]]
             left.discard(key)
             if not left:
@@ -167,8 +173,10 @@ class SettingsTable:
     def names(self) -> set[Optional[str]]:
         return set(self._keys_of)
 
-    def __len__(self) -> int:
-        return len(self._statements)
+    @property
+    def for_a_rank(self) -> bool:
+        """Whether a statement is for one rank (not every rank)."""
+        return self._ranked > 0
 
     def settings(self, rank: Optional[int]) -> dict[Optional[str], Setting]:
         """What applies on ``rank``: per name with a statement of its own, and (None) for
@@ -182,9 +190,10 @@ class SettingsTable:
 
     def setting(self, name: Optional[str], rank: Optional[int]) -> Optional[Setting]:
         """What applies to ``name`` (None: names with no statement of their own) on ``rank``;
-        None where nothing says anything, and for a name with no statement of its own (the
-        setting for None applies to it)."""
-        if name is not None and name not in self._keys_of:
+        None where nothing says anything, and for a name with no statement of its own on
+        ``rank`` (the setting for None applies to it)."""
+        if name is not None and not any(
+                key[1] is None or key[1] == rank for key in self._keys_of.get(name, ())):
             return None
         statements = self._statements
         setting = Setting()
@@ -249,6 +258,7 @@ class Overrides:
         if self._rank() != self._settings_rank:  # learnt since the settings came
             with self._write:
                 self._resolve_all()
+                self._refresh()
         settings = self._settings
         setting = settings.get(name) or settings.get(None)
         if setting is None:
@@ -366,7 +376,7 @@ class Overrides:
         self._write = threading.Lock()  # a sender thread of the parent may have held it
         self._connections = set()
         self._requests = {}
-        if self._expires_at is None and len(self._table):  # the parent was connected till now
+        if self._expires_at is None and self._table.statements():  # the parent was connected
             self._expires_at = time.monotonic() + self.ttl
         self._refresh()
 
@@ -389,9 +399,10 @@ class Overrides:
         self._refresh()
 
     def _refresh(self) -> None:
-        # Statements for another rank only also make it active: this process may learn
-        # that it is that rank (see admit).
-        self.active = bool(self._settings or self._requests or len(self._table))
+        # So does a statement for one rank while this process does not know its own: it
+        # may learn that it is that rank (see admit), which a call then finds out.
+        self.active = bool(self._settings or self._requests or (
+            self._settings_rank is None and self._table.for_a_rank))
         if self._throttles is not None:
             self._throttles.steered = self.active
 

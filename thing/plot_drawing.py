@@ -29,7 +29,6 @@ import os
 import shutil
 import sys
 import threading
-import warnings
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -184,9 +183,9 @@ def png(drawing: Drawing) -> bytes:
 def _render(drawing: Drawing, to: Any, **options: Any) -> None:
     """Draw ``drawing`` into ``to`` (a file name or a file); raises ThingError where matplotlib
     cannot, as with values near the float64 limits, whose axis it cannot divide."""
-    # Near those limits its arithmetic overflows: no warnings printed into the REPL.
-    with warnings.catch_warnings(), np.errstate(all="ignore"):
-        warnings.simplefilter("ignore", RuntimeWarning)
+    # Near those limits its arithmetic overflows: no warnings printed into the REPL (numpy's
+    # own switch, which holds for this thread only: live plots draw on one of their own).
+    with np.errstate(all="ignore"):
         try:
             figure(drawing).savefig(to, dpi=100, **options)
         except (OverflowError, ValueError) as exc:
@@ -261,8 +260,7 @@ def _uniplot(lines: list[tuple[str, np.ndarray, np.ndarray]], title: str, width:
     x_low, x_high = _span(np.concatenate([x for _, x, _ in kept]))
     marks = _marks([high, low / 2 + high / 2, low])  # halved: -1e308 + 1e308 would overflow
     room = max(len(mark) for mark in marks) + 1
-    with warnings.catch_warnings(), np.errstate(all="ignore"):
-        warnings.simplefilter("ignore")  # its label search warns about ranges it then drops
+    with np.errstate(all="ignore"):  # its label search overflows on ranges it then drops
         body = plot_to_string(
             [y for _, _, y in kept], [x for _, x, _ in kept], title=elide(title, width),
             legend_labels=[label for label, _, _ in kept] if len(kept) > 1 else None,

@@ -134,6 +134,7 @@ class Server:
                 "elsewhere run:  export THING_TOKEN=%s", self.host, where, self.token,
             )
         self._closing.clear()
+        self.buffers.open()
         self._stats_worker = StatsWorker(self.store, config.stats_share()).start()
         self._spawn(self._accept_loop, "thing-accept", self._listener)
         self._spawn(self._enforce_deadlines, "thing-deadlines")
@@ -180,11 +181,12 @@ class Server:
             # A peer that reads none of what it is sent keeps its thread in a send: cut off.
             for sock in self._connections:
                 shutdown(sock)
+        deadline = time.monotonic() + 1.0
         for thread in threads:
-            thread.join(timeout=1.0)
+            thread.join(timeout=max(deadline - time.monotonic(), 0.0))
         self._listener.close()
         self._listener = None
-        self.buffers.clear()
+        self.buffers.close()
         if self._unix_listener is not None:
             self._unix_listener.close()
             self._unix_listener = None
