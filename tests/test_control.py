@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import thing
-from thing import auth, live, reports, wire
+from thing import answers, auth, channel, live, reports, wire
 from thing.answers import read_server_message
 from thing.channel import PAUSED
 from thing.errors import ProtocolError
@@ -746,3 +746,95 @@ def test_on_demand_costs_a_throttled_call_until_requested() -> None:
     finally:
         client.close()
 
+
+
+def fake_server(speak: Any) -> tuple[int, list[int]]:
+    """A server of our own on TCP that gives each connection to ``speak`` on a thread of its
+    own; returns its port and how many connections it accepted so far (in a list). It stops
+    listening 15 s after the last connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(15)
+    accepted = [0]
+
+    def talk(connection: socket.socket) -> None:
+        with connection:
+            try:
+                speak(connection)
+            except OSError:
+                pass
+
+    def serve() -> None:
+        with listener:
+            while True:
+                try:
+                    connection, _ = listener.accept()
+                except OSError:
+                    return
+                accepted[0] += 1
+                threading.Thread(target=talk, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1], accepted
+
+
+def welcome(connection: socket.socket) -> None:
+    wire.recv_handshake(connection)
+    connection.sendall(wire.encode_handshake(
+        {"server": "thing", "notices": True, "control": True}))
+
+
+def test_a_flood_of_control_messages_is_hung_up_on(jobs: list[Job]) -> None:
+    """A REPL's replay is a few thousand messages; a server sending far more a second would
+    keep the job's sender reading, in Python, under the training loop's GIL."""
+    flood = message("every", "w", None, 1) * (answers.MAX_CONTROL_PER_SECOND + 1000)
+
+    def speak(connection: socket.socket) -> None:
+        welcome(connection)
+        connection.sendall(flood)
+        connection.settimeout(10)
+        while connection.recv(1 << 16):  # until the job hangs up
+            pass
+
+    port, accepted = fake_server(speak)
+    jobs.append(job := Job(port, THING_TRANSPORT="tcp", THING_RECONNECT_INTERVAL="0.2"))
+    job.run("touch")
+    poll(lambda: accepted[0] >= 2, what="the job to hang up and come back")
+
+
+def test_a_refusal_of_any_length_reaches_its_handle_short_and_escaped() -> None:
+    """Made readable outside the lock catch() takes, and cut: a hostile server's 64 KiB of
+    control characters had held each catch() for half a second."""
+    def speak(connection: socket.socket) -> None:
+        welcome(connection)
+        StreamReader(connection).read(wire.FRAME_PREFIX.size)  # a frame begins: answer it
+        connection.sendall(wire.encode_ack(wire.SEQ_OLDEST_UNANSWERED, -1, "\x01" * 65_000))
+        connection.settimeout(10)
+        while connection.recv(1 << 16):
+            pass
+
+    port, _ = fake_server(speak)
+    error = run_script("""
+        import thing
+        handle = thing.catch(1.0, name="x")
+        assert not handle.wait(10)
+        print(handle.error)
+    """, port, THING_TRANSPORT="tcp").strip()
+    assert error.startswith("refused by the server: \\x01\\x01")
+    assert len(error) <= len("refused by the server: ") + 4 * channel.MAX_REFUSAL_TEXT
+
+
+def test_a_handshake_dripped_a_byte_at_a_time_ends_at_the_connect_timeout(
+        jobs: list[Job]) -> None:
+    """A socket's timeout restarts with every byte: the handshake has a deadline of its own,
+    or a server dripping its welcome would hold the job's captures for days."""
+    def speak(connection: socket.socket) -> None:
+        wire.recv_handshake(connection)
+        for byte in wire.encode_handshake({"server": "thing", "pad": "x" * 100}):
+            connection.sendall(bytes([byte]))
+            time.sleep(0.2)
+
+    port, accepted = fake_server(speak)
+    jobs.append(job := Job(port, THING_TRANSPORT="tcp", THING_CONNECT_TIMEOUT="1",
+                           THING_RECONNECT_INTERVAL="0.2"))
+    job.run("touch")  # dials
+    poll(lambda: accepted[0] >= 2, what="the job to give up on the first and dial again")

@@ -184,21 +184,15 @@ def test_without_a_runtime_directory_the_socket_goes_in_a_private_temp_directory
     assert stat.S_IMODE(path.parent.lstat().st_mode) == 0o700
 
 
-@pytest.mark.parametrize("flaw", ["group-writable", "a-symlink", "a-file", "another-owner"])
-def test_no_unix_socket_in_a_directory_others_could_reach(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flaw: str
-) -> None:
-    """Where the directory is not private, the server listens on TCP only, and says nothing."""
-    monkeypatch.delenv("XDG_RUNTIME_DIR")
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # for the client subprocess
-    directory = tmp_path / f"thing-{os.getuid()}"
+def spoil(directory: Path, flaw: str) -> None:
+    """Make ``directory`` one another user could reach, as a neighbour would leave it."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
     if flaw == "group-writable":
         directory.mkdir(mode=0o700)
         directory.chmod(0o770)
     elif flaw == "a-symlink":
-        (tmp_path / "elsewhere").mkdir(mode=0o700)
-        directory.symlink_to(tmp_path / "elsewhere")
+        (directory.parent / f"elsewhere-{directory.name}").mkdir(mode=0o700)
+        directory.symlink_to(directory.parent / f"elsewhere-{directory.name}")
     elif flaw == "a-file":
         directory.write_text("")
     else:
@@ -206,6 +200,36 @@ def test_no_unix_socket_in_a_directory_others_could_reach(
             pytest.skip("needs root to give a directory away")
         directory.mkdir(mode=0o700)
         os.chown(directory, NOBODY, NOBODY)
+
+
+def test_a_temp_directory_a_neighbour_made_first_is_passed_over(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With no runtime directory, another user who makes <tmp>/thing-<uid> first cannot
+    keep this user's clients and server from their Unix socket: it goes in ~/.thing."""
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # for the client subprocess
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    spoil(tmp_path / f"thing-{os.getuid()}", "group-writable")
+    assert unix_socket_path(4242) == tmp_path / "home" / ".thing" / "sockets" / "4242.sock"
+    with thing.Server(port=0) as server:
+        assert server.unix_path is not None
+        run_script("import thing; assert thing.catch(1, name='one').wait(30)", server.port)
+        assert not server.capture("one").sender.address.startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize("flaw", ["group-writable", "a-symlink", "a-file", "another-owner"])
+def test_no_unix_socket_in_a_directory_others_could_reach(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flaw: str
+) -> None:
+    """Where no directory is private, the server listens on TCP only, and says nothing."""
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # for the client subprocess
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    spoil(tmp_path / f"thing-{os.getuid()}", flaw)
+    spoil(tmp_path / "home" / ".thing" / "sockets", flaw)
     assert unix_socket_path(4242) is None
     with thing.Server(port=0) as server:
         assert server.unix_path is None
@@ -217,6 +241,36 @@ def test_no_unix_socket_in_a_directory_others_could_reach(
         run_script("import thing; assert thing.catch(1, name='one').wait(30)", server.port,
                    THING_TRANSPORT="tcp")
         assert server.capture("one").sender.address.startswith("127.0.0.1:")
+
+
+def test_a_token_of_this_user_is_asked_for_over_tcp_even_when_tcp_is_forced(
+        runtime_dir: Path) -> None:
+    """THING_TRANSPORT=tcp lets a job without any token send to a TCP port on its own host;
+    one that has this user's token (from its file) still makes the server there prove it,
+    or a neighbour listening on the port first would receive what it catches."""
+    from thing import auth
+
+    neighbour = socket.create_server(("127.0.0.1", 0))
+    port = neighbour.getsockname()[1]
+    auth.write_token_file(port, "ours")
+    heard: list[bytes] = []
+
+    def listen() -> None:  # answers the hello as a server wanting no token would
+        neighbour.settimeout(20)
+        with neighbour:
+            connection, _ = neighbour.accept()
+            with connection:
+                wire.recv_handshake(connection)
+                connection.sendall(wire.encode_handshake({"server": "thing"}))
+                connection.settimeout(5)
+                heard.append(connection.recv(1 << 16))
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    out = run_script("import thing; h = thing.catch(1, name='x'); print(h.wait(10), h.error)",
+                     port, THING_TRANSPORT="tcp")
+    thread.join(20)
+    assert out.startswith("False") and heard == [b""], (out, heard)
 
 
 def test_stale_socket_of_a_killed_server_is_replaced(runtime_dir: Path) -> None:

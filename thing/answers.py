@@ -27,6 +27,10 @@ log = logging.getLogger("thing")
 SETTLE_BATCH = 256
 # Room for the longest message whole: a refusal's text and its signature.
 BUFFER_BYTES = 128 << 10
+# Control messages a connection takes in a second at most. A REPL's replay of every
+# setting it holds is a few thousand; a server sending more floods the job's sender
+# thread, whose Python would hold the GIL from the training loop: it is hung up on.
+MAX_CONTROL_PER_SECOND = 10_000
 
 Acknowledgement = tuple[int, int, int, bytes]  # (status, seq, capture id, message)
 
@@ -52,6 +56,8 @@ class Answers:
         self._readable = select.poll()
         self._readable.register(sock, select.POLLIN)
         self.ended = False  # the server closed the connection, and all it sent was read
+        self._control_window = 0.0  # monotonic second the count below is for
+        self._control_count = 0
 
     def read_arrived(self) -> None:
         """Read every message that has arrived whole, waiting for none.
@@ -129,12 +135,27 @@ class Answers:
         while True:
             start = stream.position
             try:
-                return read_server_message(stream, self._mac)
+                message = read_server_message(stream, self._mac)
             except NotArrived:
                 stream.rewind(start)
                 return None
             except wire.BadControl as exc:
+                self._count_control()
                 self._ignored(exc)
+                continue
+            if isinstance(message, wire.ControlMessage):
+                self._count_control()
+            return message
+
+    def _count_control(self) -> None:
+        """Count a control message; ProtocolError past MAX_CONTROL_PER_SECOND."""
+        now = time.monotonic()
+        if now - self._control_window >= 1.0:
+            self._control_window, self._control_count = now, 0
+        self._control_count += 1
+        if self._control_count > MAX_CONTROL_PER_SECOND:
+            raise ProtocolError(f"more than {MAX_CONTROL_PER_SECOND} control messages a "
+                                "second: a flood, not a REPL steering")
 
 
 def read_server_message(stream: StreamReader, mac: auth.SessionMac | None

@@ -76,6 +76,11 @@ _CLOSED_IN_FLIGHT = ("unacknowledged: the client was closed before the server an
 
 # Notices of unsent captures a connection sends at most (one per name and reason).
 MAX_TOLD = 1000
+# A connection lost again and again is logged at most once this often.
+WARN_SECONDS = 60.0
+# Bytes of a server's reason for a refusal a handle keeps (a server sends at most 1,000
+# characters; a hostile one up to 64 KiB, which escaping would take milliseconds over).
+MAX_REFUSAL_TEXT = 4000
 
 
 class Channel:
@@ -132,6 +137,7 @@ class Channel:
         self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
         self._closed = False
         self._warned: set[str] = set()
+        self._warned_at: dict[str, float] = {}  # monotonic, by key (see _log_rarely)
         # Until the first attempt to connect has failed, captures wait for it. While down,
         # catch() answers with down_handle: why the last attempt failed.
         self.down = False
@@ -258,10 +264,12 @@ class Channel:
         # A small capture wakes nobody while the sender keeps its tick or is busy (waking
         # it costs the training loop more than the capture): it goes with the next batch,
         # unless what waits here is half of what the client may hold (a small
-        # THING_QUEUE_ITEMS must not drop what a send would have made room for).
+        # THING_QUEUE_ITEMS must not drop what a send would have made room for). One the
+        # REPL asked for too: a tick is nothing to a person waiting, and a request for
+        # every call (request(name, 10**9)) must not wake the sender at each.
         wake = self._idle
         if not self._send_now and (
-                nbytes >= SMALL_BYTES or len(queue) >= BATCH or pending.requested
+                nbytes >= SMALL_BYTES or len(queue) >= BATCH
                 or 2 * len(queue) > room.max_items
                 or 2 * self._queued_bytes > room.max_bytes):
             self._send_now = wake = True
@@ -394,10 +402,11 @@ class Channel:
                 self._learn_settings(answers)
             self._send_loop(sock, mac, answers)
         except ProtocolError as exc:  # the server broke its promise: reconnect
-            log.warning("thing server at %s:%d: %s", *self.address, exc)
+            self._log_rarely("broke", "thing server at %s:%d: %s", *self.address, exc)
         except OSError as exc:
             if not self._closed:
-                log.warning("lost the thing server at %s:%d: %s", *self.address, exc)
+                self._log_rarely("lost", "lost the thing server at %s:%d: %s", *self.address,
+                                 exc)
         except Exception:  # a bug must not end the thread: reconnect and keep serving
             self._log_once("send", logging.ERROR, "unexpected error sending to %s:%d; "
                            "reconnecting", *self.address, exc_info=True)
@@ -544,7 +553,7 @@ class Channel:
         tick wakes it and waits a tick for company. So a loop that catches more
         often than once a tick wakes the sender once a tick, never from its own
         thread; a slower one wakes it from its thread once per capture.
-        A large capture, a full batch, one the REPL asked for, a caller
+        A large capture, a full batch, a half-full queue, a caller
         waiting on a handle (:meth:`hurry`) or closing end the wait at once.
         Within a tick, acknowledgements are left for its end unless someone
         waits for them.
@@ -761,11 +770,11 @@ class Channel:
                     self._room.give_back(shared_room.pop(seq))
                 if status == wire.ACK_STORED:
                     finished.append((pending, capture_id, None, None))
-                else:
-                    text = wire.printable(message.decode("utf-8", "replace"))
-                    finished.append((pending, None, f"refused by the server: {text}", "refused"))
+                else:  # its text made readable below, not under the mutex catch() takes
+                    finished.append((pending, None, message, "refused"))
             self._count(finished)
-        _resolve(finished)
+        _resolve([(pending, capture_id, _refusal(error) if reason == "refused" else error,
+                   reason) for pending, capture_id, error, reason in finished])
         if broken is not None:
             raise broken
 
@@ -805,11 +814,26 @@ class Channel:
                 room.undelivered[reason] += 1
         self._lock.notify_all()
 
+    def _log_rarely(self, key: str, message: str, *args: Any) -> None:
+        """A warning at most once a WARN_SECONDS for ``key``: a server that hangs up on
+        every connection would otherwise fill the job's log with one a second."""
+        now = time.monotonic()
+        if now - self._warned_at.get(key, -WARN_SECONDS) >= WARN_SECONDS:
+            self._warned_at[key] = now
+            log.warning(message, *args)
+
     def _log_once(self, key: str, level: int, message: str, *args: Any,
                   exc_info: bool = False) -> None:
         if key not in self._warned and len(self._warned) < 1000:
             self._warned.add(key)
             log.log(level, message, *args, exc_info=exc_info)
+
+
+def _refusal(message: Any) -> str:
+    """A server's reason for refusing a frame, as its handle tells it: its first
+    MAX_REFUSAL_TEXT bytes (thing's own reasons are shorter), escaped for a terminal."""
+    text = bytes(message[:MAX_REFUSAL_TEXT]).decode("utf-8", "replace")
+    return f"refused by the server: {wire.printable(text)}"
 
 
 def _resolve(finished: list[Finished]) -> None:

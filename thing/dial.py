@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from typing import Any, NamedTuple
 
 from . import auth, config, shm, wire
@@ -55,8 +56,10 @@ def dial(address: tuple[str, int], token: str | None, this_host: bool,
     token = configured or auth.client_token(address[1])
     sock, transport = _open(address, this_host, token)
     try:
-        # TCP to this host, unless forced, counts only if the server proves the token.
-        tcp_here = transport == "tcp" and config.transport() != "tcp" and this_host
+        # TCP to this host counts only if the server proves the token: also when TCP was
+        # forced, if this user has one (forced without any, nothing could be proven).
+        tcp_here = transport == "tcp" and this_host and (
+            config.transport() != "tcp" or token is not None)
         mac, info = _handshake(sock, address, token, configured is not None or tcp_here,
                                transport == "shm", control)
     except BaseException:
@@ -84,7 +87,9 @@ def _open(address: tuple[str, int], this_host: bool, token: str | None
     if wanted == "tcp" or not this_host:
         return connect(host, port, config.connect_timeout()), "tcp"
     path = unix_socket_path(port, host)
-    why = f"no thing server of this user listens on this machine's Unix socket {path}"
+    why = (f"no thing server of this user listens on this machine's Unix socket {path}"
+           if path is not None else "no directory only this user can use for thing's Unix "
+           "socket (another user's in its place?)")
     if path is not None:
         try:
             sock = connect_unix(path, config.connect_timeout())
@@ -118,7 +123,8 @@ def _handshake(sock: socket.socket, address: tuple[str, int], token: str | None,
     hello = {**_identity(), "nonce": client_nonce, "shared_memory": shared_memory,
              "control": control, "replay": control}
     send_buffers(sock, [wire.encode_handshake(hello)])
-    status, info = wire.recv_handshake(sock)
+    deadline = time.monotonic() + config.connect_timeout()  # the handshake's, all of it
+    status, info = wire.recv_handshake(sock, deadline)
     mac = None
     if status == wire.HANDSHAKE_CHALLENGE:
         server_nonce = str(info.get("nonce", ""))
@@ -130,7 +136,7 @@ def _handshake(sock: socket.socket, address: tuple[str, int], token: str | None,
         # Without a token, answer anyway, so the server can say why it refuses us.
         proof = "" if token is None else auth.client_proof(token, client_nonce, server_nonce)
         send_buffers(sock, [wire.encode_handshake({"proof": proof})])
-        status, info = wire.recv_handshake(sock)
+        status, info = wire.recv_handshake(sock, deadline)
         if token is not None:
             mac = auth.SessionMac(token, client_nonce, server_nonce)
     elif status == wire.HANDSHAKE_OK and server_must_prove:

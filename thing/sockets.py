@@ -7,11 +7,15 @@ import errno
 import functools
 import ipaddress
 import os
+import select
 import socket
 import stat
 import struct
 import tempfile
+import time
 from pathlib import Path
+
+from ._core import recv_buffers
 
 # The sender thread must never be the first to take these: a fork (a DataLoader worker,
 # say) while it holds tempfile's once-lock or is half-way through importing the idna
@@ -86,6 +90,28 @@ def shutdown(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
+def recv_exactly(sock: socket.socket, size: int, deadline: float | None = None) -> bytearray:
+    """``size`` bytes from ``sock``, all of them by ``deadline`` (``time.monotonic()``;
+    TimeoutError after it) or, with none, as the socket's own timeouts allow.
+    ConnectionResetError if the peer closes first."""
+    received = bytearray(size)
+    if deadline is None:
+        recv_buffers(sock, [received])
+        return received
+    view, got = memoryview(received), 0
+    waiting = select.poll()
+    waiting.register(sock, select.POLLIN)
+    while got < size:
+        left = deadline - time.monotonic()
+        if left <= 0 or not waiting.poll(left * 1000):
+            raise TimeoutError(f"{got} of {size} bytes arrived in the time allowed")
+        moved = sock.recv_into(view[got:])
+        if not moved:
+            raise ConnectionResetError(errno.ECONNRESET, "the peer closed the connection")
+        got += moved
+    return received
+
+
 def connect(host: str, port: int, timeout: float) -> socket.socket:
     """Open a tuned TCP connection to ``host:port`` within ``timeout`` seconds."""
     return _connected(socket.create_connection((host, port), timeout=timeout), None, timeout)
@@ -145,18 +171,21 @@ _PLAIN_HOSTS = frozenset({"", "localhost", "127.0.0.1", "::1", "0.0.0.0", "::"})
 def unix_socket_path(port: int, host: str = "127.0.0.1") -> Path | None:
     """Where the server of TCP ``host:port`` also listens on this host; None if nowhere is safe.
 
-    The directory is ``$XDG_RUNTIME_DIR/thing`` (else ``<tmp>/thing-<uid>``),
-    mode 0700 and owned by this user: nobody else can even reach the socket.
+    The directory is ``$XDG_RUNTIME_DIR/thing`` (else ``<tmp>/thing-<uid>``, or
+    ``~/.thing/sockets`` where another user made that one first), mode 0700 and
+    owned by this user: nobody else can even reach the socket.
     A server bound to loopback or to every interface is ``<port>.sock``; one
     bound to another address (127.0.0.2, a LAN address) is ``<address>-<port>.sock``,
     so two such servers of one user on one port keep apart.
     """
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
     if runtime and os.path.isdir(runtime):
-        directory = Path(runtime) / "thing"
+        candidates = [Path(runtime) / "thing"]
     else:
-        directory = Path(tempfile.gettempdir()) / f"thing-{os.getuid()}"
-    if not private_directory(directory):
+        candidates = [Path(tempfile.gettempdir()) / f"thing-{os.getuid()}",
+                      Path.home() / ".thing" / "sockets"]
+    directory = next((path for path in candidates if private_directory(path)), None)
+    if directory is None:
         return None
     if host in _PLAIN_HOSTS or (_address(host) is None and host in own_names()):
         return directory / f"{port}.sock"

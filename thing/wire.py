@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from . import config
-from ._core import recv_buffers, split_small_frames, split_stored_acks
+from ._core import split_small_frames, split_stored_acks
 from .arrays import (
     CARRIER_DTYPES,
     FRAMEWORKS,
@@ -37,6 +37,7 @@ from .arrays import (
     torch_size,
 )
 from .errors import HandshakeError, LimitExceeded, ProtocolError, UnsupportedType
+from .sockets import recv_exactly
 
 MAGIC = b"THNG"
 VERSION = 4
@@ -132,14 +133,15 @@ def decode_handshake_prefix(prefix: bytes) -> tuple[int, int]:
     return status, length
 
 
-def recv_handshake(sock: Any) -> tuple[int, dict[str, Any]]:
-    """Receive one handshake message from ``sock``; return ``(status, info)``."""
-    prefix = bytearray(HANDSHAKE.size)
-    recv_buffers(sock, [prefix])
+def recv_handshake(sock: Any, deadline: float | None = None) -> tuple[int, dict[str, Any]]:
+    """Receive one handshake message from ``sock``; return ``(status, info)``.
+
+    ``deadline`` (``time.monotonic()``) bounds the whole message: a socket's own
+    timeout restarts with every byte, so a peer dripping one would hold it for days.
+    """
+    prefix = recv_exactly(sock, HANDSHAKE.size, deadline)
     status, length = decode_handshake_prefix(bytes(prefix))
-    body = bytearray(length)
-    recv_buffers(sock, [body])
-    return status, decode_handshake_info(body)
+    return status, decode_handshake_info(recv_exactly(sock, length, deadline))
 
 
 def decode_handshake_info(body: bytes) -> dict[str, Any]:
