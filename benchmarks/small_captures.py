@@ -32,8 +32,13 @@ receiver keeps every message, in order, and the last one is checked bit-exact.
   1/50 s and every 1/5,000 s, on a schedule, and the CPU it costs outside the
   caller's thread: the client process's other threads (its process CPU less
   the calling thread's) and the whole server process (``/proc/PID/stat``),
-  per capture. Idle wake-ups between captures count; so does the Python
-  import and handshake, which happen before the clock starts.
+  per capture. Idle wake-ups between captures count; the Python import and
+  the handshake happen before the clock starts, and do not. Beside each,
+  its floor: a raw Unix socket at the same pace, each message (as long as
+  thing's frame) received into a fresh ``bytearray`` by a receiver woken for
+  it and answered with an acknowledgement's bytes; the sender's CPU in its
+  send calls and the receiver's. Then the server's CPU while 100 connected
+  clients send nothing.
 
 Trials of the one-client methods are interleaved (round robin) so drifting
 load hits them alike; the table shows the median and best trial, and each
@@ -393,6 +398,33 @@ def paced_raw(rate: float, count: int) -> tuple[float, float]:
     return sending / count * 1e6, served / count * 1e6
 
 
+def idle_connections(count: int, seconds: float) -> float:
+    """A server's CPU, in ms a second, while ``count`` connected clients send nothing (a
+    paused job's ranks): what its threads' wake-ups cost, when nothing is received."""
+    from thing import wire
+
+    server = subprocess.Popen([sys.executable, "-c", THING_RECEIVER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=child_env())
+    port = int(server.stdout.readline())
+    peers = []
+    try:
+        for pid in range(count):
+            peer = socket.create_connection(("127.0.0.1", port), timeout=10)
+            peer.sendall(wire.encode_handshake({"hostname": "idle", "pid": pid}))
+            assert wire.recv_handshake(peer)[0] == wire.HANDSHAKE_OK
+            peers.append(peer)
+        time.sleep(1.0)  # past the handshakes' deadlines being set and stopped
+        spent = cpu_seconds(server.pid)
+        time.sleep(seconds)
+        spent = cpu_seconds(server.pid) - spent
+    finally:
+        for peer in peers:
+            peer.close()
+        server.stdin.close()
+        server.wait()
+    return spent / seconds * 1e3
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5,000 captures, 2 trials")
@@ -489,6 +521,8 @@ def print_paced(quick: bool) -> None:
         for method, (client_us, server_us) in rows.items():
             print(f"{pace:>9,}{captures:>10,}{method:>10}{client_us:>9.1f}{server_us:>9.1f}"
                   f"{client_us + server_us:>10.1f}{(client_us + server_us) / raw:>8.2f}")
+    print(f"server CPU with 100 connected clients that send nothing: "
+          f"{idle_connections(100, 5.0 if quick else 10.0):.2f} ms a second")
 
 
 if __name__ == "__main__":
