@@ -409,7 +409,7 @@ def idle_connections(count: int, seconds: float) -> float:
     peers = []
     try:
         for pid in range(count):
-            peer = socket.create_connection(("127.0.0.1", port), timeout=10)
+            peer = socket.create_connection(("127.0.0.1", port))  # blocking, as thing reads
             peer.sendall(wire.encode_handshake({"hostname": "idle", "pid": pid}))
             assert wire.recv_handshake(peer)[0] == wire.HANDSHAKE_OK
             peers.append(peer)
