@@ -548,6 +548,19 @@ operations = st.lists(st.tuples(
     max_size=12)
 
 
+def valid(steps: Any) -> Iterator[tuple[str, str | None, int | None, int]]:
+    """The generated steps a REPL could say: a request or first names a name, and pause,
+    resume and reset carry no number."""
+    for operation, name, rank, value in steps:
+        if operation in ("request", "first") and name is None:
+            continue
+        yield operation, name, rank, 0 if operation in ("pause", "resume", "reset") else value
+
+
+def shown(settings: dict[Any, Any]) -> dict[Any, str]:
+    return {name: repr(setting) for name, setting in settings.items()}
+
+
 @settings(max_examples=300, deadline=None)
 @given(operations)
 def test_a_job_connecting_later_decides_as_one_connected_all_along(steps: Any) -> None:
@@ -555,11 +568,7 @@ def test_a_job_connecting_later_decides_as_one_connected_all_along(steps: Any) -
 
     kept = SettingsTable()  # the server's, as thing/steering.py keeps it
     connected = overrides()
-    for operation, name, rank, value in steps:
-        if operation in ("request", "first") and name is None:
-            continue
-        if operation in ("pause", "resume", "reset"):
-            value = 0
+    for operation, name, rank, value in valid(steps):
         connected.apply(read(message(operation, name, rank, value)))
         if operation != "request":
             kept.apply(operation, name, rank, value)
@@ -567,8 +576,7 @@ def test_a_job_connecting_later_decides_as_one_connected_all_along(steps: Any) -
     for raw in [message("forget")] + [message(s.operation, s.name, s.rank, s.value)
                                       for s in kept.statements()]:
         later.apply(read(raw))
-    assert ({name: repr(s) for name, s in later.settings().items()}
-            == {name: repr(s) for name, s in connected.settings().items()})
+    assert shown(later.settings()) == shown(connected.settings())
 
 
 @settings(max_examples=300, deadline=None)
@@ -580,17 +588,12 @@ def test_what_a_statement_changes_is_what_working_everything_out_again_gives(ste
     from thing.overrides import SettingsTable
 
     steered = overrides()  # rank 1
-    for operation, name, rank, value in steps:
-        if operation in ("request", "first") and name is None:
-            continue
-        if operation in ("pause", "resume", "reset"):
-            value = 0
+    for operation, name, rank, value in valid(steps):
         steered.apply(read(message(operation, name, rank, value)))
         table = SettingsTable()
         for statement in steered._table.statements():
             table.apply(statement.operation, statement.name, statement.rank, statement.value)
-        assert ({name: repr(s) for name, s in steered.settings().items()}
-                == {name: repr(s) for name, s in table.settings(1).items()})
+        assert shown(steered.settings()) == shown(table.settings(1))
 
 
 def test_a_forked_worker_keeps_the_settings_no_longer_than_its_parent() -> None:
