@@ -841,3 +841,21 @@ def test_a_handshake_dripped_a_byte_at_a_time_ends_at_the_connect_timeout(
                            THING_RECONNECT_INTERVAL="0.2"))
     job.run("touch")  # dials
     poll(lambda: accepted[0] >= 2, what="the job to give up on the first and dial again")
+
+
+def test_a_handshake_that_breaks_the_protocol_is_said_to_each_handle() -> None:
+    """A peer that answers, but not as a thing server may, is a server there: the handles
+    say what it did, not that nobody listens."""
+    def speak(connection: socket.socket) -> None:
+        wire.recv_handshake(connection)
+        connection.sendall(wire.HANDSHAKE.pack(wire.MAGIC, wire.VERSION, wire.HANDSHAKE_OK,
+                                               wire.MAX_HANDSHAKE_JSON + 1))
+
+    port, _ = fake_server(speak)
+    error = run_script("""
+        import thing
+        handle = thing.catch(1.0, name="x")
+        assert not handle.wait(10)
+        print(handle.error)
+    """, port, THING_TRANSPORT="tcp").strip()
+    assert error.startswith("not sent: handshake of 65537 bytes exceeds"), error

@@ -38,7 +38,7 @@ from ._core import send_buffers, wake
 from .answers import Acknowledgement, Answers
 from .arrays import leaf_bytes, torn
 from .dial import TRANSPORT_NAMES, dial
-from .errors import HandshakeError, ProtocolError
+from .errors import ProtocolError
 from .frames import Finished, Headers, Pending, Undelivered, new_pending
 from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle
 from .names import CallSite
@@ -499,7 +499,9 @@ class Channel:
         return dropped
 
     def _set_down(self, reason: Exception) -> None:
-        refused = isinstance(reason, HandshakeError)  # a server is there: say why not it
+        # A peer answered (it refused us, or broke the protocol): a server is there, so say
+        # why not it rather than that none listens.
+        refused = isinstance(reason, ProtocolError)
         why = f"not sent: {reason}" if refused else NO_SERVER.error
         with self._mutex:
             first_failure = not self.down
