@@ -68,6 +68,8 @@ def test_serve_after_the_server_was_closed_keeps_its_history(no_default: None,
     send(first.port, "assert thing.catch(1.5, name='loss').wait(10)")
     first.close()
     assert thing.get("loss") == 1.5  # closed, its history still looked at
+    with pytest.raises(thing.NotServing):  # nothing could arrive: not a wait for ever
+        thing.wait("loss", 30)
     second = thing.serve(port=0)
     assert second is not first and thing.get("loss") == 1.5  # the session's history goes on
     send(second.port, "assert thing.catch(2.5, name='loss').wait(10)")
@@ -124,6 +126,35 @@ def test_get_by_name_index_and_id(default: thing.Server) -> None:
     assert thing.get("w") is thing.get(ids[2]) is default.store.get("w").value
     with pytest.raises(IndexError):
         thing.get("w", 3)
+
+
+def test_what_get_and_wait_cannot_answer_is_refused_not_guessed(default: thing.Server) -> None:
+    """A bool is no position (True as step 1 handed back a capture nobody asked for), an id
+    is one capture whatever else is asked, a shorthand for several names is refused by
+    wait() as by get() (wait() had waited out its timeout, or for ever), and summary()
+    shows at least one name."""
+    send(default.port, """
+        for step in range(3):
+            assert thing.catch(float(step), name="w", step=step).wait(10)
+        assert thing.catch(1.0, name="x.y").wait(10)
+        assert thing.catch(2.0, name="x[y]").wait(10)
+    """)
+    for wrong in (dict(index=True), dict(step=True), dict(index=1.0), dict(step="2"),
+                  dict(rank=False)):
+        with pytest.raises(TypeError, match="is a whole number"):
+            thing.get("w", **wrong)
+    with pytest.raises(TypeError, match="rank is a whole number"):
+        thing.get_all("w", rank=False)
+    newest = default.store.get("w").id
+    for selector in (dict(index=1), dict(step=0), dict(rank=0), dict(run="other")):
+        with pytest.raises(ValueError, match=f"capture {newest} is one capture"):
+            thing.get(newest, **selector)
+    assert thing.get("w", np.int64(1)) == 1.0 and thing.get("w", step=np.int64(0)) == 0.0
+    with pytest.raises(thing.UnknownName, match="'x_y' stands for several names"):
+        thing.wait("x_y", 30)
+    for wrong in (0, -1, True, "5"):
+        with pytest.raises(ValueError, match="max_items is a whole number from 1"):
+            thing.summary(wrong)
 
 
 def test_get_returns_containers_as_sent(default: thing.Server) -> None:

@@ -313,8 +313,11 @@ def available() -> list[Announcement]:
 
 @_short_traceback
 def wait(name: str, timeout: float | None = None) -> Any:
-    """Wait for the next capture of ``name`` and return it (TimeoutError after ``timeout`` s)."""
-    return value_of(_store().wait(name, timeout))
+    """Wait for the next capture of ``name`` and return it (TimeoutError after ``timeout`` s).
+
+    Needs a running server (NotServing otherwise: with none, or only a loaded recording,
+    nothing could arrive)."""
+    return value_of(default_server().store.wait(name, timeout))
 
 
 @_short_traceback
@@ -352,6 +355,9 @@ def summary(max_items: int | None = 5) -> None:
     """
     from . import display, reports
 
+    if max_items is not None and (isinstance(max_items, bool) or not isinstance(
+            max_items, int) or max_items < 1):
+        raise ValueError(f"max_items is a whole number from 1, or None for all, not {max_items!r}")
     store = _store()
     info = _server.info() if _server is not None and _server.running else None
     display.show(reports.summary(store, info, max_items))

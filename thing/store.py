@@ -425,10 +425,17 @@ class HistoryStore:
         ``index=0`` is the newest, ``1`` the one before; negative indices count
         from the oldest (``-1`` is the oldest kept). ``step=`` picks the newest
         capture of that step instead. Only captures of ``run`` count (default:
-        the run that sent the newest capture of the name; ``"all"``: any).
+        the run that sent the newest capture of the name, from ``rank`` if given;
+        ``"all"``: any). With an id, none of these selects anything (ValueError).
         """
+        _whole_number("index", index)
+        if step is not None:
+            _whole_number("step", step)
         with self._lock:
             if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+                if index or step is not None or rank is not None or run is not None:
+                    raise ValueError(f"capture {key} is one capture: index=, step=, rank= and "
+                                     "run= select among a name's captures, not by id")
                 if int(key) not in self._by_id:
                     raise UnknownName(f"no capture with id {key} (evicted, cleared or never "
                                       "received)")
@@ -444,8 +451,8 @@ class HistoryStore:
 
     def get_all(self, name: str, rank: int | None = None, run: str | None = None
                 ) -> list[Capture]:
-        """Every kept capture of ``name`` from ``run`` (default: the run that sent the newest;
-        ``"all"``: every run), oldest to newest."""
+        """Every kept capture of ``name`` from ``run`` (default: the run that sent the newest,
+        from ``rank`` if given; ``"all"``: every run), oldest to newest."""
         with self._lock:
             return self._history(name, rank, run)
 
@@ -476,6 +483,8 @@ class HistoryStore:
         return sorted(runs, key=lambda run: run.start)
 
     def _history(self, name: str, rank: int | None, run: str | None = None) -> list[Capture]:
+        if rank is not None:
+            _whole_number("rank", rank)
         name = self._resolve(name)
         history = list(self._by_name[name])
         if rank is not None:
@@ -620,6 +629,8 @@ class HistoryStore:
     def wait(self, name: str, timeout: float | None = None, after: int | None = None) -> Capture:
         """Block until a capture of ``name`` newer than id ``after`` (default: now) arrives."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not isinstance(name, str):
+            raise TypeError(f"a capture is waited for by name (str), not {name!r}")
         with self._lock:
             if after is None:
                 after = self._next_id - 1
@@ -627,6 +638,9 @@ class HistoryStore:
                 # A cheap look (no message built for a name not there yet): this runs
                 # under the lock at every arrival.
                 aliased = self._aliased(name) if name not in self._by_name else []
+                if len(aliased) > 1:  # as get() says it
+                    raise UnknownName(f"{name!r} stands for several names: "
+                                      f"{', '.join(map(repr, aliased))}; use one of them")
                 known = name if name in self._by_name else (
                     aliased[0] if len(aliased) == 1 else None)
                 history = self._by_name.get(known) if known is not None else None
@@ -715,6 +729,13 @@ def _newest_per_rank(history: deque[Capture]) -> list[tuple[Capture, int]]:
     runs = list(dict.fromkeys(run for run, _ in newest))  # newest first
     keys = sorted(newest, key=lambda key: (runs.index(key[0]), key[1] is None, key[1] or 0))
     return [(newest[key], counts[key]) for key in keys]
+
+
+def _whole_number(what: str, value: Any) -> None:
+    """TypeError unless ``value`` is an int (a numpy one too), not a bool: True as step 1
+    would hand back a capture nobody asked for."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} is a whole number, not {value!r}")
 
 
 def _header_bytes(value: Any) -> int:
