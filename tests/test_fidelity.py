@@ -112,6 +112,62 @@ def test_a_tensor_whose_memory_was_freed_is_reported_and_never_read(
     assert server.store.received == 1 and torch.equal(server.get("fine"), torch.ones(3))
 
 
+def test_a_tensor_resized_after_the_call_is_reported_and_the_stream_stays_in_step(
+        server: thing.Server) -> None:
+    """A tensor read in place after the call (a large one, or with copy=False), grown or
+    shrunk since (``.data =``, ``set_``, ``resize_``): its bytes no longer match what its
+    header said. Sent anyway, the rest of a grown one read as the next frame (a capture
+    the job never made) and a shrunk one ate the next frame's bytes: now it is not sent,
+    and says why. (Small ones with copy=False wait for the sender's tick, 50 ms: the
+    change comes first.)"""
+    run_script(
+        """
+        import torch, thing
+        grown = torch.ones(256)
+        handle = thing.catch(grown, name="grown", copy=False)
+        grown.data = torch.ones(512)
+        assert not handle.wait(10) and "changed size after catch()" in handle.error, handle.error
+        shrunk = torch.ones(256)
+        handle = thing.catch(shrunk, name="shrunk", copy=False)
+        shrunk.resize_(16)
+        assert not handle.wait(10) and "changed size after catch()" in handle.error, handle.error
+        for step in range(3):
+            assert thing.catch(torch.full((3,), float(step)), name="later").wait(10)
+        """,
+        server.port,
+    )
+    assert set(server.store.names()) == {"later"}
+    assert [c.value.tolist() for c in server.store.get_all("later")] == [
+        [0.0] * 3, [1.0] * 3, [2.0] * 3]
+    assert {notice.name for notice in server.store.unsent()} == {"grown", "shrunk"}
+
+
+def test_a_str_enum_and_a_large_bytearray_arrive_as_they_were_at_the_call(
+        server: thing.Server) -> None:
+    """A ``(str, Enum)`` member (transformers' config enums) travels as its text, not as
+    ``str()`` of it (its class and name); a bytearray, which may change after the call and
+    counts no versions, is copied at the call whatever its size."""
+    run_script(
+        """
+        import enum, thing
+
+        class Strategy(str, enum.Enum):
+            STEPS = "steps"
+
+        assert thing.catch({"strategy": Strategy.STEPS, Strategy.STEPS: {Strategy.STEPS}},
+                           name="config").wait(10)
+        buffer = bytearray(b"\\x01" * (1 << 20))
+        handle = thing.catch(buffer, name="buffer")
+        buffer[:] = b"\\x02" * (1 << 20)
+        buffer += b"grows"  # no BufferError: nothing of it is held
+        assert handle.wait(10)
+        """,
+        server.port,
+    )
+    assert server.get("config") == {"strategy": "steps", "steps": {"steps"}}
+    assert server.get("buffer") == b"\x01" * (1 << 20)
+
+
 def test_weights_caught_after_every_optimizer_step_are_the_weights_of_that_step(
         server: thing.Server, tmp_path) -> None:
     """An nn.Linear + SGD loop, and the README's own loop (every=10), against clones."""

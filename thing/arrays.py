@@ -231,7 +231,9 @@ def hold(leaf: Leaf, copy: bool | None, snapshot_bytes: int) -> None:
     elif framework == "torch":
         _hold_tensor(leaf, source, snapshot)
     elif framework == "bytes":
-        if snapshot and not isinstance(source.obj, bytes):
+        # A bytearray or memoryview may change, or grow, after the call, and nothing counts
+        # its versions: copied whatever its size, unless copy=False says it will not.
+        if copy is not False and not isinstance(source.obj, bytes):
             leaf.source = memoryview(bytes(source))
     elif not _on_cpu(source):  # jax: start the device-to-host copy now, read it later
         source.copy_to_host_async()
@@ -374,16 +376,27 @@ def leaf_bytes(leaf: Leaf) -> bytes | np.ndarray:
         pass
     elif framework == "torch":
         _check_memory(source, leaf.nbytes)  # freed since the call? (read in place)
+        if tuple(source.shape) != leaf.spec.shape:
+            raise ValueError(_resized(leaf, f"its shape is {tuple(source.shape)} now"))
         source = source.detach().resolve_conj().resolve_neg().contiguous()
         if source.device.type != "cpu":
             source = source.cpu()
         carrier = CARRIER_DTYPES[leaf.spec.dtype]
         source = source.view(_torch_dtype(_torch(), carrier.name)).numpy()
-    elif framework == "bytes":
-        return np.frombuffer(source, np.uint8)
-    else:  # jax
+    elif framework != "bytes":  # jax
         source = np.asarray(source)
-    return _little_endian(np.ascontiguousarray(source)).reshape(-1).view(np.uint8)
+    data = (np.frombuffer(source, np.uint8) if framework == "bytes" else
+            _little_endian(np.ascontiguousarray(source)).reshape(-1).view(np.uint8))
+    # The header, written at the call, says how many bytes follow: any other number would
+    # put the stream out of step, and the rest of the data read as the next frames.
+    if data.nbytes != leaf.nbytes:
+        raise ValueError(_resized(leaf, f"{data.nbytes} bytes now"))
+    return data
+
+
+def _resized(leaf: Leaf, now: str) -> str:
+    return (f"it changed size after catch() (resize_, set_ or .data = on a tensor read in "
+            f"place): {leaf.spec.shape}, {leaf.nbytes} bytes, at the call; {now}")
 
 
 def _little_endian(array: np.ndarray) -> np.ndarray:

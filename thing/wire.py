@@ -239,14 +239,15 @@ def _nan_node(nan: float) -> Any:
 
 
 def _scalar_node(obj: Any) -> Any:
-    """None, a bool, int, float, complex or str; a subclass (an IntEnum) travels as its base."""
+    """None, a bool, int, float, complex or str; a subclass (an IntEnum) travels as its base,
+    its own value: a ``(str, Enum)`` member's ``str()`` is its class and name, not its text."""
     if obj is None or type(obj) is bool:
         return obj
     if isinstance(obj, float):
         return _float_node(float(obj))
     if isinstance(obj, complex):
         return {"complex": [_float_node(obj.real), _float_node(obj.imag)]}
-    return int(obj) if isinstance(obj, int) else str(obj)
+    return int(obj) if isinstance(obj, int) else str.__str__(obj)
 
 
 def _size_node(size: tuple[int, ...]) -> Any:
