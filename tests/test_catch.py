@@ -82,6 +82,52 @@ def test_catch_never_raises_or_prints(server: thing.Server) -> None:
     assert server.store.names() == ["good"]
 
 
+def test_a_catch_from_a_finalizer_or_signal_handler_never_hangs_the_job(
+        server: thing.Server) -> None:
+    """A finalizer the garbage collector runs on the sender thread while it holds its lock,
+    and a signal handler that interrupts a catch (a preemption handler catching the final
+    state), both catch on a thread in the middle of thing's own work: the nested call is
+    told it was not sent, and neither thread waits for a lock it holds itself. A handler
+    that interrupts the making of the default client (the first catch) is told so too."""
+    result = run_script(
+        """
+        import gc, json, signal, sys, numpy as np, thing
+        from thing.handles import REENTERED
+
+        class Tracker:
+            def __init__(self):
+                self.me = self  # a cycle: only the garbage collector ends it, on any thread
+            def __del__(self):
+                thing.catch(1.0, name="final")
+
+        outcomes = {"in a signal handler": 0, "REENTERED": 0}
+        def on_alarm(signum, frame):
+            handle = thing.catch(2.0, name="alarm")
+            outcomes["in a signal handler"] += 1
+            outcomes["REENTERED"] += handle is REENTERED
+
+        gc.set_threshold(50)
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, 1e-3, 1e-3)  # many land in the first catch
+        handles = []
+        for step in range(3000):
+            Tracker()
+            handles.append(thing.catch(np.float32([step]), name="main", block=True))
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        assert thing.catch(0.5, name="last", block=True).wait(20)
+        assert all(handle.wait(20) for handle in handles)
+        print(json.dumps(outcomes))
+        """,
+        server.port,
+        timeout=90,
+        full=True,
+    )
+    assert result.stderr == ""
+    outcomes = json.loads(result.stdout)
+    assert outcomes["in a signal handler"] > 0 and outcomes["REENTERED"] > 0
+    assert server.get("last") == 0.5 and len(server.store.get_all("main")) == 3000
+
+
 def test_server_gone_returns_false_at_once() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -360,6 +406,20 @@ def test_client_and_server_read_the_variables_catch_and_serve_read(monkeypatch) 
     assert thing.Client().address == ("example.org", 1234)
     monkeypatch.setenv("THING_PORT", "4321")
     assert thing.Server().port == 4321 and thing.Server(port=7).port == 7
+
+
+def test_settings_that_would_spin_or_never_send_are_kept_in_bounds(monkeypatch) -> None:
+    """0 as the reconnect interval would dial in a busy loop; 0 servers would open and
+    close a connection at every catch; a timeout of 0 would make sockets non-blocking."""
+    from thing import config
+
+    for variable in ("THING_RECONNECT_INTERVAL", "THING_MAX_SERVERS", "THING_SEND_TIMEOUT",
+                     "THING_CONNECT_TIMEOUT"):
+        monkeypatch.setenv(variable, "0")
+    assert config.reconnect_interval() == 0.05 and config.max_servers() == 1
+    assert config.send_timeout() == config.connect_timeout() == 0.1
+    monkeypatch.setenv("THING_RECONNECT_INTERVAL", "-3")
+    assert config.reconnect_interval() == 0.05
 
 
 def test_small_captures_go_once_a_tick_and_at_once_when_waited_for(server: thing.Server,

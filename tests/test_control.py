@@ -140,9 +140,10 @@ def test_an_on_demand_name_sends_nothing_until_requested(server: thing.Server,
     assert calls_of(server, "attn_probs") == [21, 22, 23]  # and nothing more
 
 
+@pytest.mark.parametrize("env", [{}, {"RANK": "3", "WORLD_SIZE": "8"}], ids=["alone", "rank"])
 def test_what_a_job_catches_on_demand_is_listed_while_it_is_connected(
-        server: thing.Server, jobs: list[Job]) -> None:
-    jobs.append(job := Job(server.port))
+        server: thing.Server, jobs: list[Job], env: dict[str, str]) -> None:
+    jobs.append(job := Job(server.port, **env))
     job.catch("attn_probs", 2, on_demand=True)
     assert [announced.name for announced in server.available()] == ["attn_probs"]
     job.run("fork attn_probs 2")  # a child tells its own connection, and ends first
@@ -212,6 +213,51 @@ def test_a_request_sends_the_next_calls_of_a_throttled_name(server: thing.Server
     job.catch("w", 5, every=100)
     assert calls_of(server, "w") == [1, 6, 7]
     assert [c.requested for c in server.store.get_all("w")] == [False, True, True]
+
+
+def test_the_first_capture_a_request_brings_is_sent_at_once(server: thing.Server,
+                                                            processes: list) -> None:
+    """Someone at the REPL waits for it: it is not held for the sender's tick (made 30 s
+    here), as the rest of a request for many calls are."""
+    processes.append(job := start_script("""
+        import time, thing, thing.channel
+        thing.channel.TICK_SECONDS = 30.0
+        assert thing.catch(0.0, name="warm").wait(10)
+        print("ready", flush=True)
+        for step in range(1, 6000):  # about 30 s of 5 ms steps
+            thing.catch(float(step), name="probe", on_demand=True)
+            time.sleep(0.005)
+    """, server.port))
+    assert job.stdout.readline() == "ready\n", job.stderr.read()
+    server.request("probe", 3)  # the job is connected: it caught "warm"
+    assert server.store.wait("probe", 10).requested  # not 30 s later, with the tick
+    assert len(server.store.get_all("probe")) == 1  # the other two go with the tick
+
+
+def test_settings_for_single_ranks_are_bounded_and_a_new_job_is_told_them_all(
+        server: thing.Server) -> None:
+    """Ranks run to 2**31: settings for single ranks stop at MAX_RANKED_STATEMENTS, so the
+    settings a job is told when it connects never pass the rate at which a job hangs up on
+    a flooding server, and a job that connects after many are set still sends."""
+    from thing.overrides import MAX_RANKED_STATEMENTS
+
+    for rank in range(5):
+        for index in range(1000):
+            if rank * 1000 + index < MAX_RANKED_STATEMENTS:
+                server.pause(f"layer{index}", rank=rank)
+            else:
+                with pytest.raises(ValueError, match="for single ranks"):
+                    server.pause(f"layer{index}", rank=rank)
+                break
+    server.every("layer0", 2)  # for every rank: layer0 is paused for ranks 0 to 3 only
+    assert len(server.steering.statements()) == MAX_RANKED_STATEMENTS + 1
+    run_script("""
+        import thing
+        assert thing.catch(0.0, name="layer1").wait(20)  # connected, and told the settings
+        handles = [thing.catch(float(i), name="layer0", block=True) for i in range(1, 7)]
+        assert [handle.wait(20) for handle in handles] == [True, False] * 3
+    """, server.port, RANK="4", WORLD_SIZE="8")
+    assert server.get_all("layer0") == [1.0, 3.0, 5.0]
 
 
 # -- live throttles ------------------------------------------------------------------------
@@ -304,15 +350,15 @@ def test_a_pause_set_before_a_job_starts_holds_back_its_very_first_calls(
     script = """
         import json, thing
         secret = [thing.catch(i, name="secret") for i in range(3)]  # before it connects
-        # Let through before it heard the settings, queued after: taking a million
-        # numbers apart (about 0.3 s) outlasts connecting, which the GIL's switches let run.
-        secret.append(thing.catch([0.5] * 1_000_000, name="secret"))
-        loss = [thing.catch(i, name="loss") for i in range(4)]
+        # Let through before it heard the settings, queued after: the three before it fill
+        # the queue, and it waits for room, which they give back once paused.
+        secret.append(thing.catch(3, name="secret", block=True))
+        loss = [thing.catch(i, name="loss", block=True) for i in range(4)]
         assert all(handle.wait(10) for handle in loss), [handle.error for handle in loss]
         print(json.dumps({"secret": [handle.error for handle in secret],
                           "undelivered": dict(thing._default_client.undelivered)}))
     """
-    said = json.loads(run_script(script, server.port))
+    said = json.loads(run_script(script, server.port, THING_QUEUE_ITEMS="3"))
     assert said == {"secret": [PAUSED] * 4, "undelivered": {}}, said
     assert calls_of(server, "secret") == []
     assert [capture.value for capture in server.store.get_all("loss")] == [0, 1, 2, 3]

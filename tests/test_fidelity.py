@@ -245,6 +245,31 @@ def test_a_large_tensor_changed_after_catch_is_exact_or_marked(server: thing.Ser
     print(f"{marked} of 6 in-place captures marked inconsistent", file=sys.stderr)
 
 
+def test_a_jax_array_sharing_memory_by_dlpack_arrives_as_it_was_at_the_call(
+        server: thing.Server) -> None:
+    """jax arrays are immutable, but one made from a torch tensor's memory (dlpack) changes
+    with the tensor: a small one, or any with copy=True, is copied at the call."""
+    pytest.importorskip("jax")  # torch is imported here already
+    run_script(
+        """
+        import jax.dlpack, torch, thing
+        small, large = torch.arange(8.0), torch.arange(float(1 << 16))  # 32 B, 256 KiB
+        handles = [thing.catch(jax.dlpack.from_dlpack(small), name="small", block=True),
+                   thing.catch(jax.dlpack.from_dlpack(large), name="large", copy=True,
+                               block=True)]
+        small.mul_(100)
+        large.mul_(100)  # straight after the calls
+        assert all(h.wait(30) for h in handles), [h.error for h in handles]
+        """,
+        server.port,
+    )
+    for name, size in (("small", 8), ("large", 1 << 16)):
+        value = server.get(name)
+        assert type(value).__module__.startswith("jax")
+        assert np.asarray(value).tobytes() == np.arange(size, dtype=np.float32).tobytes()
+        assert server.store.get(name).consistent
+
+
 def test_copy_false_reads_small_arrays_in_place(server: thing.Server) -> None:
     """The opt-out: a user who knows the array is not rewritten saves the copy."""
     client = thing.Client("127.0.0.1", server.port)

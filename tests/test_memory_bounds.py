@@ -193,3 +193,47 @@ def test_the_largest_header_a_real_capture_needs_fits(repl: Repl) -> None:
     assert repl.stats()["received"] == 1
 
 
+
+
+def test_a_structure_too_large_for_any_header_is_refused_at_once() -> None:
+    """A list of a million floats, or one list held many times over (x = [x, x], forty
+    deep: 2**40 nodes to walk), is refused at the call, in about the time a server's header
+    limit allows to walk, with a reason that says what to do instead; 140,000 small ints
+    (280 KB of JSON, which a server takes) are not."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # never answers: not "down"
+        out = run_script(f"""
+            import json, time, thing
+            shared = [1.0]
+            for _ in range(40):
+                shared = [shared, shared]
+            client = thing.Client("127.0.0.1", {listener.getsockname()[1]})
+            took, errors = [], []
+            for value in ([float(i) for i in range(1_000_000)], shared, [0] * 140_000):
+                start = time.perf_counter()
+                handle = client.catch(value, name="big")
+                took.append(time.perf_counter() - start)
+                errors.append(handle.error)
+            print(json.dumps([max(took), errors]))
+            client.close(0)
+        """, THING_TRANSPORT="tcp")
+    slowest, errors = json.loads(out)
+    for error in errors[:2]:
+        assert "values outside arrays" in error and "as an array" in error, errors
+    assert errors[2] is None  # queued: the server would take it
+    assert slowest < 5  # the whole structure is not walked: it would take hours
+
+
+def test_text_counts_against_the_queues_bytes() -> None:
+    """What a capture holds outside arrays (here 300 KB of text each) is counted by
+    THING_QUEUE_BYTES as its arrays are: with no answer from the server, the queue holds a
+    few such captures, not THING_QUEUE_ITEMS of them."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # never answers the handshake
+        out = run_script(f"""
+            import thing
+            client = thing.Client("127.0.0.1", {listener.getsockname()[1]})
+            for i in range(20):
+                client.catch(str(i) * 300_000, name="text")
+            print(client.undelivered)
+            client.close(0)
+        """, THING_TRANSPORT="tcp", THING_QUEUE_BYTES=str(1 << 20))
+    assert out.strip() == "{'queue full': 17}"

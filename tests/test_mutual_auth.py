@@ -48,7 +48,8 @@ try:
         received += chunk
 except OSError:
     pass
-print(json.dumps({"received": len(received)}), flush=True)
+told = sorted(set(hello) & {"hostname", "pid", "run", "thing", "python"})
+print(json.dumps({"received": len(received), "told": told}), flush=True)
 """
 
 
@@ -82,7 +83,32 @@ def test_a_client_with_a_token_refuses_a_server_that_cannot_prove_it(
     assert ("did not ask for the token" if mode == "no-challenge"
             else "could not prove it knows the token") in out
     rogue.wait(15)
-    assert json.loads(rogue.stdout.readline()) == {"received": 0}  # not one byte of a frame
+    # Not one byte of a frame, nor who the job is (host, pid, run) before the proof.
+    assert json.loads(rogue.stdout.readline()) == {"received": 0, "told": []}
+
+
+def test_a_client_with_a_token_says_who_it_is_with_its_proof() -> None:
+    """Held back from the hello, the job's identity still reaches the server that proved
+    the token: the REPL lists the job by host, pid and run."""
+    with thing.Server(port=0, token="the real token") as server:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent("""
+                import os, sys, thing
+                assert thing.catch(1.5, name="loss").wait(15)
+                print(os.getpid(), flush=True)
+                sys.stdin.read()
+            """)],
+            env=script_env(server.port, THING_TOKEN="the real token", THING_TRANSPORT="tcp",
+                           THING_RUN="proven-run"),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            pid = int(proc.stdout.readline())
+            [client] = server.clients()
+            assert (client.hostname, client.pid, client.run) == (
+                socket.gethostname(), pid, "proven-run")
+            assert server.store.get("loss").sender.pid == pid
+        finally:
+            proc.communicate("", timeout=30)
 
 
 def test_a_token_less_client_does_not_trust_tcp_to_a_squatted_port(processes: list) -> None:

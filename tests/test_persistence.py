@@ -203,6 +203,26 @@ def test_loading_into_a_store_that_holds_captures_keeps_arrival_order(tmp_path: 
     assert live.get("loss").value == 7.0
 
 
+def test_a_capture_already_here_is_not_loaded_twice(tmp_path: Path, caplog) -> None:
+    """The same recording loaded twice, or a save loaded back into the history it came
+    from, adds nothing: every history and statistic would count those captures twice."""
+    store = HistoryStore()
+    for step in range(3):
+        store.add("loss", float(step), (), 0, Sender("job:1", "host", 7), call=step + 1)
+    store.add("loss", 9.0, (), 0, Sender("job:1", "host", 8), call=1)  # another process
+    store.save(tmp_path / "rec")
+    assert store.load(tmp_path / "rec") == 0
+    assert [c.value for c in store.get_all("loss")] == [0.0, 1.0, 2.0, 9.0]
+    assert "4 of the captures" in caplog.text and "not added twice" in caplog.text
+
+    fresh = HistoryStore()
+    fresh.add("loss", 5.0, (), 0, Sender("job:1", "host", 7), call=1)  # same call, not same
+    assert fresh.load(tmp_path / "rec") == 4
+    assert fresh.load(tmp_path / "rec") == 0
+    assert sorted(c.value for c in fresh.get_all("loss")) == [0.0, 1.0, 2.0, 5.0, 9.0]
+    assert len(fresh) == 5
+
+
 def test_save_writes_what_is_kept_at_one_moment_while_captures_arrive(tmp_path: Path) -> None:
     """A capture stored while save() looks at the store (a job streams on) neither pushes
     the oldest kept ones out of the file nor is half in it: save() took the count, then

@@ -23,7 +23,7 @@ import thing.repl
 import thing.reports
 from thing.arrays import LeafSpec
 from thing.captures import Sender
-from thing.store import RECORD_BYTES, Announcement, HistoryStore, UnsentNotice
+from thing.store import NAME_BYTES, RECORD_BYTES, Announcement, HistoryStore, UnsentNotice
 
 from .conftest import run_script, script_env, start_script
 
@@ -352,6 +352,20 @@ def test_ingest_all_gives_a_name_its_own_variable_and_updates_what_it_bound(
     namespace["lr"] = 1.0  # the user's own now: kept
     send(default.port, "assert thing.catch(0.125, name='lr').wait(10)")
     assert "lr" not in thing.ingest_all(namespace=namespace) and namespace["lr"] == 1.0
+    # What it bound and the user deleted is not remembered for ever (per-step names).
+    from thing import ingest
+    send(default.port, "for i in range(50): assert thing.catch(0.5, name=f's{i}').wait(10)")
+    thing.ingest_all(namespace=namespace)
+    for i in range(50):
+        del namespace[f"s{i}"]
+    thing.ingest_all(namespace={})  # another namespace: this one's memory is its own
+    assert sum(key[0] == id(namespace) for key in ingest._bound_strongly) == 50
+    thing.ingest_all(namespace=namespace)
+    assert sum(key[0] == id(namespace) for key in ingest._bound_strongly) == 50  # bound anew
+    namespace.clear()
+    default.clear()
+    thing.ingest_all(namespace=namespace)
+    assert not any(key[0] == id(namespace) for key in ingest._bound_strongly)
 
 
 def test_ingest_all_defaults_to_the_callers_globals(default: thing.Server) -> None:
@@ -407,8 +421,9 @@ def test_summary_of_an_empty_server(default: thing.Server, capsys) -> None:
 
 def test_eviction_under_a_byte_cap_with_a_real_client(monkeypatch, capsys) -> None:
     monkeypatch.setenv("COLUMNS", "200")
-    # Three captures named "w": data, record, name and call site ("<string>:3 (<module>)").
-    store = HistoryStore(max_bytes=3 * (4000 + RECORD_BYTES + 51 + 80) + 100)
+    # Three captures named "w": data, record, name and call site ("<string>:3 (<module>)"),
+    # and the name's own cost.
+    store = HistoryStore(max_bytes=3 * (4000 + RECORD_BYTES + 51 + 80) + NAME_BYTES + 100)
     with thing.Server(port=0, store=store) as server:
         monkeypatch.setattr(thing.repl, "_server", server)
         out = send(server.port, """

@@ -108,6 +108,11 @@ def test_rank_then_run_saving_every_run_and_describe(server: thing.Server, tmp_p
     old = server.store.get("loss", index=2, run="first-launch", rank=0)
     server.describe(old.id)
     assert "6 kept; this is get('loss', index=5, run='first-launch')" in capsys.readouterr().out
+    # describe() selects as get() does, run= too.
+    server.describe("loss", index=2, rank=0, run="first-launch")
+    assert "6 kept; this is get('loss', index=5, run='first-launch')" in capsys.readouterr().out
+    with pytest.raises(UnknownName, match="from run 'nope'"):
+        server.describe("loss", run="nope")
 
 
 def test_a_torchrun_launch_with_the_default_rendezvous_id_is_one_run(

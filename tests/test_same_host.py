@@ -219,6 +219,47 @@ def test_a_temp_directory_a_neighbour_made_first_is_passed_over(
         assert not server.capture("one").sender.address.startswith("127.0.0.1:")
 
 
+def test_a_job_with_no_temporary_or_home_directory_still_sends_over_tcp(
+        server: thing.Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container with a read-only file system (no usable temporary directory) and a uid
+    with no home: no Unix socket and no token file, but TCP, when told, still delivers,
+    and a catch costs what it costs anywhere (the directories were asked for once)."""
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    out = run_script("""
+        import json, pathlib, tempfile, time
+        def nowhere(*args):
+            raise FileNotFoundError("No usable temporary directory found")
+        def homeless(*args):
+            raise RuntimeError("Could not determine home directory.")
+        tempfile.gettempdir, pathlib.Path.home = nowhere, classmethod(homeless)
+        import thing
+        assert thing.catch(1.0, name="first").wait(20), thing.catch(0, name="x").error
+        took = []
+        for i in range(50):
+            start = time.perf_counter()
+            handle = thing.catch(float(i), name="later")
+            took.append(time.perf_counter() - start)
+        assert handle.wait(20), handle.error
+        print(json.dumps(sorted(took)[25]))
+    """, server.port, THING_TRANSPORT="tcp")
+    assert json.loads(out) < 0.01  # not tens of milliseconds a call, every call
+    assert server.get("later") == 49.0
+
+
+def test_a_server_beyond_loopback_with_no_home_starts_and_closes(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """With nowhere to keep its generated token (no runtime directory, no home), a server
+    says clients need the token set, and starts and closes as any other."""
+    def homeless(*args: Any) -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(Path, "home", classmethod(homeless))
+    with thing.Server(host="0.0.0.0", port=0) as server:
+        assert server.token is not None
+    assert "No token file was written (no home directory" in caplog.text
+
+
 @pytest.mark.parametrize("flaw", ["group-writable", "a-symlink", "a-file", "another-owner"])
 def test_no_unix_socket_in_a_directory_others_could_reach(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flaw: str
@@ -927,6 +968,31 @@ def test_a_live_servers_socket_is_never_replaced(server: thing.Server) -> None:
         client.close()
 
 
+def send_shared(sock: socket.socket, array: np.ndarray, seq: int) -> tuple[int, int, str]:
+    """Send ``array`` as a shared-memory frame; return the server's answer to it."""
+    fd = shm.export([array.view(np.uint8)])
+    try:
+        socket.send_fds(sock, [frame_message(array, wire.KIND_SHARED_MEMORY, seq)], [fd])
+    finally:
+        os.close(fd)
+    return read_ack(sock)
+
+
+def test_mappings_given_back_are_counted_off_not_kept() -> None:
+    """A connection counts the mappings its evicted captures gave back: its books stay as
+    small as what it keeps mapped, however many captures come and go."""
+    with thing.Server(port=0, store=HistoryStore(max_versions=1)) as server:
+        sock = raw_peer(server)
+        try:
+            for i in range(300):  # each evicts the one before: its mapping goes
+                assert send_shared(sock, np.full(8, i, np.int64), i)[0] == wire.ACK_STORED
+            [connection] = server._connections.values()
+            assert len(connection._mappings_gone) <= 1 and connection._mappings_adopted <= 2
+        finally:
+            sock.close()
+        assert [int(v[0]) for v in server.get_all("raw")] == [299]
+
+
 def test_one_client_keeps_at_most_max_mappings_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each mapping takes one of the process's limited map entries: past the cap a
     client's shared-memory captures are copied out, stored all the same."""
@@ -936,15 +1002,8 @@ def test_one_client_keeps_at_most_max_mappings_mapped(monkeypatch: pytest.Monkey
         baseline = memfd_mappings()
         sock = raw_peer(server)
         try:
-            for i in range(300):
-                array = np.full(8, i, np.int64)  # tiny: a whole page mapped for 64 bytes
-                fd = shm.export([array.view(np.uint8)])
-                try:
-                    socket.send_fds(sock, [frame_message(array, wire.KIND_SHARED_MEMORY, i)],
-                                    [fd])
-                finally:
-                    os.close(fd)
-                status, _, message = read_ack(sock)
+            for i in range(300):  # tiny: a whole page mapped for 64 bytes
+                status, _, message = send_shared(sock, np.full(8, i, np.int64), i)
                 assert status == wire.ACK_STORED, message
         finally:
             sock.close()

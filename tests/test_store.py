@@ -14,7 +14,7 @@ import pytest
 from thing.arrays import LeafSpec
 from thing.captures import Sender
 from thing.errors import LimitExceeded
-from thing.store import RECORD_BYTES, HistoryStore
+from thing.store import NAME_BYTES, RECORD_BYTES, HistoryStore
 
 SENDER = Sender("127.0.0.1:1", "host", 1)
 
@@ -88,12 +88,12 @@ def test_unknown_name_lists_the_closest_names() -> None:
 
 
 def test_eviction_drops_the_oldest_first_and_counts() -> None:
-    store = HistoryStore(max_bytes=3 * cost(1000) + 100)
+    store = HistoryStore(max_bytes=3 * (cost(1000) + NAME_BYTES) + 100)
     captures = [put(store, name, 1000) for name in ("a", "b", "a", "c", "b")]
     assert store.evicted == 2
     assert [c.id for c in store.recent(10)] == [c.id for c in reversed(captures[2:])]
     assert [c.id for c in store.get_all("a")] == [captures[2].id]
-    assert store.held_bytes == 3 * cost(1000)
+    assert store.held_bytes == 3 * (cost(1000) + NAME_BYTES)  # three names, a capture each
     with pytest.raises(KeyError):
         store.get(captures[0].id)
     overview = store.overview()
@@ -118,7 +118,7 @@ def test_max_versions_keeps_the_newest_of_each_name() -> None:
     assert [int(c.value[0]) for c in store.get_all("w")] == [3, 4]
     assert [int(c.value[0]) for c in store.get_all("other")] == [3, 4]
     assert store.evicted == 6
-    assert store.held_bytes == 2 * cost(8, "w") + 2 * cost(8, "other")
+    assert store.held_bytes == 2 * cost(8, "w") + 2 * cost(8, "other") + 2 * NAME_BYTES
     with pytest.raises(ValueError):
         HistoryStore(max_versions=0)
 
@@ -130,7 +130,7 @@ def test_a_capture_larger_than_the_cap_is_refused_and_evicts_nothing() -> None:
         store.reserve(cost(1000) * 2)
     assert store.rejected == 1
     assert store.get("small") is kept
-    assert store.held_bytes == cost(1000, "small")
+    assert store.held_bytes == cost(1000, "small") + NAME_BYTES
 
 
 def test_reservations_are_accounted_and_released() -> None:
@@ -148,7 +148,7 @@ def test_reservations_are_accounted_and_released() -> None:
     store.release(4000, 1000)
     assert store.held_bytes == 0
     put(store, "x", 4000)
-    assert store.held_bytes == cost(4000)
+    assert store.held_bytes == cost(4000) + NAME_BYTES
     assert store.clear() == 1
     assert store.held_bytes == 0
 
@@ -222,8 +222,8 @@ def test_wait_returns_the_next_capture_or_times_out() -> None:
 
 
 def test_concurrent_receivers_and_readers_keep_the_books_straight() -> None:
-    store = HistoryStore(max_bytes=50 * cost(1000, "w0"))
     writers, per_writer = 4, 300
+    store = HistoryStore(max_bytes=50 * cost(1000, "w0") + writers * NAME_BYTES)
     errors: list[BaseException] = []
     stop = threading.Event()
 
@@ -263,8 +263,10 @@ def test_concurrent_receivers_and_readers_keep_the_books_straight() -> None:
     total = writers * per_writer
     assert store.received == total
     assert len(store) + store.evicted == total
-    assert len(store) == 50
-    assert store.held_bytes == 50 * cost(1000, "w0")
+    # 50 captures, and one more for each writer's name left with none (its cost given back).
+    assert 50 <= len(store) <= 50 + writers - len(store.names())
+    assert store.held_bytes == len(store) * cost(1000, "w0") + len(store.names()) * NAME_BYTES
+    assert store.held_bytes <= store.max_bytes
     # Every kept capture's bytes are the ones written for it.
     for name in store.names():
         for capture in store.get_all(name):
@@ -273,7 +275,7 @@ def test_concurrent_receivers_and_readers_keep_the_books_straight() -> None:
 
 
 def test_a_claim_evicts_nothing_only_arriving_bytes_do() -> None:
-    each = cost(1000, "n0")
+    each = cost(1000, "n0") + NAME_BYTES  # a name each
     store = HistoryStore(max_bytes=10 * each)
     kept = [put(store, f"n{i}", 1000) for i in range(9)]
     store.reserve(8 * each)  # a near-cap claim, its bytes not yet sent
@@ -345,3 +347,15 @@ def test_a_long_history_is_not_walked_by_the_garbage_collector(
             assert memory() is None
         finally:
             gc.enable()
+
+
+def test_names_that_never_repeat_are_held_to_the_cap_too() -> None:
+    """Each name costs the store its own history and index entries, charged while it has a
+    capture: a job catching f"step{i}/loss" is bounded by the cap as one name is."""
+    store = HistoryStore(max_bytes=1 << 20)
+    for i in range(5000):
+        store.add(f"step{i}/loss", float(i), (), 0, Sender("job:1"))
+    assert len(store) <= (1 << 20) // (RECORD_BYTES + NAME_BYTES) + 1
+    assert store.held_bytes <= store.max_bytes and store.names()[-1] == "step4999/loss"
+    store.clear()
+    assert store.held_bytes == 0

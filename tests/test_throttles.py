@@ -13,6 +13,7 @@ import inspect
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -248,7 +249,9 @@ def test_a_site_forgotten_by_another_thread_s_tracing_is_not_remembered(monkeypa
     def name_for_then_another_thread(frame: Any) -> Any:
         named = name_for(frame)
         while other_thread:
-            other_thread.pop()()
+            thread = threading.Thread(target=other_thread.pop())
+            thread.start()
+            thread.join(10)
         return named
 
     def two_more_sites() -> None:

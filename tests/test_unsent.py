@@ -15,6 +15,7 @@ import pytest
 
 import thing
 import thing.reports
+from thing.store import HistoryStore
 
 from .conftest import run_script
 
@@ -65,7 +66,7 @@ def test_what_cannot_be_sent_is_told_to_the_repl_once_per_name_and_reason(
     monkeypatch.setenv("COLUMNS", "200")
     server.summary(max_items=None)  # all six notices
     out = capsys.readouterr().out
-    assert "could not send" in out
+    assert "not sent, or refused" in out
     row = next(line for line in out.splitlines() if line.startswith("opaque "))
     assert "__main__.Opaque" in row and "cannot send an object of type" in row
     server.describe("a_range")
@@ -140,6 +141,58 @@ def test_a_capture_refused_for_its_header_costs_the_captures_after_it_nothing(
     for index, name in enumerate("abce"):
         assert server.store.get(name).value.tobytes() == np.float32([index]).tobytes()
     assert server.info().dropped_transfers == 3
+    # The REPL says why: by name where the header gave a valid one (once per name and
+    # reason, as for a sender's notices: both bad names have the same reason).
+    refused = {notice.name: notice for notice in server.store.unsent()}
+    assert set(refused) == {None, "d"} and all(n.refused for n in refused.values())
+    assert "name is not a string" in refused[None].reason
+    with pytest.raises(KeyError, match=r"nothing named 'd' was kept: this server refused it "
+                                       r"\(.*share one hash"):
+        server.get("d")
+
+
+def test_what_this_server_refuses_is_said_by_name_in_the_repl(capsys, monkeypatch) -> None:
+    """A capture the server refuses on arrival (over its store's cap; a shape that
+    describes more than any capture may hold) is not only the sender's handle's
+    business: summary(), describe() and get() say, by name, that it was refused and why.
+    An older version of the name stays what get() returns."""
+    with thing.Server(port=0, store=HistoryStore(max_bytes=1 << 20)) as server:
+        out = run_script("""
+            import json, numpy as np, thing
+            assert thing.catch(np.ones(4), name="big").wait(10)
+            handles = {"big": thing.catch(np.zeros(2 << 20, np.uint8), name="big"),
+                       "hollow": thing.catch(np.empty((0, 1 << 40), np.float32),
+                                             name="hollow")}
+            assert thing.catch(1.5, name="fine").wait(10)
+            print(json.dumps({name: [handle.wait(10), handle.error]
+                              for name, handle in handles.items()}))
+        """, server.port)
+        outcomes = json.loads(out)
+        assert outcomes["big"][0] is False and "larger than the store" in outcomes["big"][1]
+        assert outcomes["hollow"][0] is False and "exceeds" in outcomes["hollow"][1]
+        notices = {notice.name: notice for notice in server.store.unsent()}
+        assert set(notices) == {"big", "hollow"}
+        assert all(notice.refused for notice in notices.values())
+        assert notices["big"].type_name == "numpy.ndarray"
+        assert notices["big"].call_site.startswith("<string>:")
+        for name, (_, error) in outcomes.items():
+            assert error == f"refused by the server: {notices[name].reason}"
+
+        assert np.array_equal(server.get("big"), np.ones(4))  # the older version stays
+        with pytest.raises(KeyError, match=r"nothing named 'hollow' was kept: this server "
+                                           r"refused it \(leaf of shape"):
+            server.get("hollow")
+        monkeypatch.setenv("COLUMNS", "200")
+        server.summary()
+        out = capsys.readouterr().out
+        assert "not sent, or refused" in out
+        row = next(line for line in out.splitlines() if "refused by this server" in line
+                   and line.startswith("big "))
+        assert "numpy.ndarray" in row and "capture of 2097152 bytes is larger" in row
+        server.describe("hollow")
+        assert "this server refused 'hollow'" in capsys.readouterr().out
+        with pytest.raises(KeyError):  # of another run: nothing to say
+            server.describe("hollow", run="another")
 
 
 def test_a_notice_that_finds_the_queue_full_is_not_counted_as_a_lost_capture() -> None:

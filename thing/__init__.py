@@ -33,7 +33,7 @@ from .errors import (
     UnknownName,
     UnsupportedType,
 )
-from .handles import SKIPPED
+from .handles import REENTERED, SKIPPED, busy, working
 
 if TYPE_CHECKING:
     from .captures import Capture
@@ -177,6 +177,8 @@ def catch(
     """
     client = _default_client
     if client is None:
+        if getattr(busy, "working", False):  # a signal handler interrupted its making
+            return REENTERED
         try:
             client = _make_default_client()
         except Exception as exc:  # a typo in THING_SERVER must not stop a training job
@@ -219,7 +221,7 @@ def _cannot_send(exc: Exception) -> CaptureHandle:
 
 def _make_default_client() -> Client:
     global _default_client, _maker
-    with _default_client_lock:
+    with working(), _default_client_lock:
         if _default_client is None:
             _maker = threading.get_ident()
             try:  # THING_SERVER / THING_PORT, as any Client()

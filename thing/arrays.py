@@ -221,7 +221,9 @@ def hold(leaf: Leaf, copy: bool | None, snapshot_bytes: int) -> None:
     is not snapshotted is read in place by the sender thread: torch tensors
     then carry their version counter, so a later in-place update is detected.
     CUDA tensors are copied to pinned host memory on their own device's
-    stream, which is a snapshot by construction; jax arrays are immutable.
+    stream, which is a snapshot by construction; jax arrays on a device are
+    immutable, and those on the CPU are snapshotted as numpy arrays are (one made
+    from another framework's memory by dlpack changes with it).
     """
     source, framework = leaf.source, leaf.spec.framework
     snapshot = copy if copy is not None else leaf.nbytes <= snapshot_bytes
@@ -237,6 +239,11 @@ def hold(leaf: Leaf, copy: bool | None, snapshot_bytes: int) -> None:
             leaf.source = memoryview(bytes(source))
     elif not _on_cpu(source):  # jax: start the device-to-host copy now, read it later
         source.copy_to_host_async()
+    elif snapshot and source.is_ready():
+        # Immutable, unless it shares memory with another framework's array (dlpack), which
+        # may change it: copied like any array (a view of it costs jax about 2 us). One
+        # still being computed is jax's own: waiting for it here would block the caller.
+        leaf.source = _snapshot_array(np.asarray(source))
 
 
 def _snapshot_array(array: np.ndarray) -> bytes:
@@ -411,7 +418,9 @@ def torn(leaf: Leaf) -> bool:
     """True if a torch tensor read in place was modified after it was caught.
 
     The version counter only grows, so one look once the bytes are sent
-    covers the whole time from the call to the end of the send.
+    covers every in-place operation that ended between the call and the end of
+    the send. Torch counts an operation when it ends: one still running then is
+    not seen (the README says so, and that ``copy=True`` is the way out).
     """
     return leaf.version is not None and leaf.source._version != leaf.version
 

@@ -25,7 +25,7 @@ import stat
 from pathlib import Path
 
 from .errors import ThingError
-from .sockets import private_directory
+from .sockets import home_directory, private_directory
 
 NONCE_BYTES = 32
 MAC_BYTES = 32
@@ -118,10 +118,15 @@ def is_loopback(host: str) -> bool:
 
 
 def token_file(port: int) -> Path:
-    """Where a server on ``port`` keeps its generated token."""
+    """Where a server on ``port`` keeps its generated token; :class:`TokenFileError` where
+    there is nowhere (no runtime directory, and no home)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    base = Path(runtime) / "thing" if runtime and os.path.isdir(runtime) else Path.home() / ".thing"
-    return base / f"token-{port}"
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / "thing" / f"token-{port}"
+    home = home_directory()
+    if home is None:
+        raise TokenFileError("no home directory to keep a token file in (set HOME)")
+    return home / ".thing" / f"token-{port}"
 
 
 def write_token_file(port: int, token: str) -> Path:
@@ -152,11 +157,11 @@ def write_token_file(port: int, token: str) -> Path:
 
 def remove_token_file(port: int, token: str) -> None:
     """Remove the token file of ``port`` if it still holds ``token``."""
-    path = token_file(port)
     try:
+        path = token_file(port)
         if read_token_file(path) == token:
             path.unlink()
-    except OSError:
+    except (OSError, TokenFileError):
         pass
 
 
@@ -193,5 +198,5 @@ def client_token(port: int, explicit: str | None = None) -> str | None:
         return token
     try:
         return read_token_file(token_file(port))
-    except OSError:
+    except (OSError, TokenFileError):
         return None

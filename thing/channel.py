@@ -40,7 +40,7 @@ from .arrays import leaf_bytes, torn
 from .dial import TRANSPORT_NAMES, dial
 from .errors import ProtocolError
 from .frames import Finished, Headers, Pending, Undelivered, new_pending
-from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle
+from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle, busy
 from .names import CallSite
 from .overrides import Overrides
 from .send_queue import SendQueue
@@ -213,7 +213,7 @@ class Channel:
 
     def _enqueue(self, pending: Pending, block: bool, copy: bool | None,
                  snapshot_bytes: int) -> CaptureHandle:
-        nbytes = pending.payload.nbytes
+        nbytes = pending.payload.held
         # A capture of a few KiB is snapshotted before it takes room, and queued under the
         # same lock: its copy costs less than taking the lock a second time. A larger one
         # takes room first (a full queue must not cost it a copy) and copies outside the lock.
@@ -247,7 +247,7 @@ class Channel:
         """Queue a capture that has its room, waking the sender if it must; CLOSED (its room
         given back) if the channel closed since the room was taken (the caller holds the
         lock)."""
-        nbytes = pending.payload.nbytes
+        nbytes = pending.payload.held
         if self._closed:  # while the caller waited for room (block=True) or snapshotted
             self._room.give_back(nbytes)
             if pending.notice is None:
@@ -264,14 +264,15 @@ class Channel:
         # A small capture wakes nobody while the sender keeps its tick or is busy (waking
         # it costs the training loop more than the capture): it goes with the next batch,
         # unless what waits here is half of what the client may hold (a small
-        # THING_QUEUE_ITEMS must not drop what a send would have made room for). One the
-        # REPL asked for too: a tick is nothing to a person waiting, and a request for
-        # every call (request(name, 10**9)) must not wake the sender at each.
+        # THING_QUEUE_ITEMS must not drop what a send would have made room for), or it is
+        # the first a request brings, for which someone at the REPL waits (the rest of a
+        # request for every call, request(name, 10**9), must not wake the sender at each).
         wake = self._idle
+        awaited = pending.requested and self.overrides.first_answer(pending.name)
         if not self._send_now and (
                 nbytes >= SMALL_BYTES or len(queue) >= BATCH
                 or 2 * len(queue) > room.max_items
-                or 2 * self._queued_bytes > room.max_bytes):
+                or 2 * self._queued_bytes > room.max_bytes or awaited):
             self._send_now = wake = True
         if wake:
             self._idle = False
@@ -342,6 +343,7 @@ class Channel:
     # -- sender thread -------------------------------------------------------------
 
     def _run(self) -> None:
+        busy.working = True  # a finalizer run here must not wait for the locks held here
         delay = 0.05
         try:
             while not self._closed:
@@ -460,7 +462,7 @@ class Channel:
                 return
             queue.clear()
             queue.extend(kept)
-            nbytes = sum(pending.payload.nbytes for pending in held)
+            nbytes = sum(pending.payload.held for pending in held)
             self._queued_bytes -= nbytes
             self._room.give_back(nbytes, len(held))
         for pending in held:
@@ -491,7 +493,7 @@ class Channel:
         self._queue.clear()
         self._queued_bytes = 0
         for pending in dropped:
-            self._room.give_back(pending.payload.nbytes)
+            self._room.give_back(pending.payload.held)
         # A notice is not a capture: the capture it is about was counted as "failed".
         captures = sum(pending.notice is None for pending in dropped)
         if captures:
@@ -535,7 +537,7 @@ class Channel:
                 self._next_seq += len(batch)
                 self._inflight.update(batch)
                 if queue:
-                    self._queued_bytes -= sum(pending.payload.nbytes for _, pending in batch)
+                    self._queued_bytes -= sum(pending.payload.held for _, pending in batch)
                 else:
                     self._send_now, self._queued_bytes = False, 0
                 # What the server did not see: it counted its own refusals.
@@ -614,7 +616,7 @@ class Channel:
         def give_back(through: int) -> None:
             nonlocal held
             if through > held:
-                ended = [pending.payload.nbytes for seq, pending in batch[held:through]
+                ended = [pending.payload.held for seq, pending in batch[held:through]
                          if seq not in answered_for]
                 with self._mutex:
                     self._room.give_back(sum(ended), len(ended))
@@ -675,7 +677,8 @@ class Channel:
                            "thing could not send %r: %s", pending.name, exc)
             # The REPL hears of it as of a capture that failed at the call.
             self.tell_unsent(pending.name, pending.site, pending.rank,
-                             frames.caught_type(payload), reason)
+                             wire.caught_type(payload.tree, [leaf.spec for leaf in payload.leaves]),
+                             reason)
             return None
         prefix = wire.encode_prefix(header, payload.nbytes, seq, pending.caught_at,
                                     call=pending.call, step=pending.step)
@@ -706,7 +709,7 @@ class Channel:
             send_buffers(sock, [*buffers, trailer])
         # The bytes are in the kernel: drop our references so the arrays can be freed.
         payload.leaves.clear()
-        return sent and self._hold_room_until_answered(seq, payload.nbytes)
+        return sent and self._hold_room_until_answered(seq, payload.held)
 
     def _hold_room_until_answered(self, seq: int, nbytes: int) -> bool:
         """A frame sent in a memfd: its pages live until the server takes the descriptor,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _core, config
 from .errors import UnsupportedType
-from .handles import CLOSED, SKIPPED, CaptureHandle
+from .handles import CLOSED, REENTERED, SKIPPED, CaptureHandle, busy, working
 from .names import CallSite, NameTracer
 
 if TYPE_CHECKING:
@@ -210,8 +210,11 @@ class Client:
         the handle's ``wait()`` is False and its ``error`` says why when not
         stored.
         """
+        if getattr(busy, "working", False):
+            return REENTERED
         site = frame = None
         try:
+            busy.working = True  # in the try: an interrupt here must not leave it set
             if name is None:
                 frame = sys._getframe(_depth)
                 name, site = self._names.name_for(frame)
@@ -250,14 +253,19 @@ class Client:
             return channel.enqueue(name, obj, site, self._rank.read(), block, copy,
                                    self.snapshot_bytes, call, step, requested)
         except Exception as exc:  # catch() must never raise into a training loop
-            reason = (str(exc) if isinstance(exc, UnsupportedType)
-                      else f"{type(exc).__name__}: {exc}")
-            self._warn_once(f"{type(exc).__name__}:{name}", "thing.catch(%s) failed: %s",
-                            name, reason)
             with self._lock:
                 self._queue.undelivered["failed"] += 1
-            self._tell_server(server, name, site, obj, reason)
-            return CaptureHandle(name, f"not sent: {reason}")
+            try:
+                reason = (str(exc) if isinstance(exc, UnsupportedType)
+                          else f"{type(exc).__name__}: {exc}")
+                self._warn_once(f"{type(exc).__name__}:{name}", "thing.catch(%s) failed: %s",
+                                name, reason)
+                self._tell_server(server, name, site, obj, reason)
+                return CaptureHandle(name, f"not sent: {reason}")
+            except Exception:  # an exception, or a name, that cannot even be put in words
+                return CaptureHandle(None, f"not sent: {type(exc).__name__}")
+        finally:
+            busy.working = False
 
     def _announce(self, server: str | None, name: str | None, site: CallSite | None, obj: Any,
                   depth: int) -> None:
@@ -326,7 +334,7 @@ class Client:
     def undelivered(self) -> dict[str, int]:
         """Captures caught but not delivered, by reason; the REPL's summary() shows them too
         (``"refused"``, by the server, it counts itself)."""
-        with self._lock:
+        with working(), self._lock:
             return dict(self._queue.undelivered)
 
     @property
@@ -344,7 +352,7 @@ class Client:
         deadline = None if timeout is None else time.monotonic() + timeout
         for channel in list(self._channels.values()):
             channel.hurry()
-        with self._lock:
+        with working(), self._lock:
             while any(channel.busy for channel in self._channels.values()):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -360,14 +368,15 @@ class Client:
         """
         if timeout:
             self.flush(timeout)
-        with self._lock:
-            self._closed = True
-            channels = set(self._channels.values())
-            self._channels.clear()
-        # All stop first, then all are waited for together: a job that sent to several
-        # servers that stopped answering exits in CLOSE_SECONDS, not in that many each.
-        for channel in channels:
-            channel.stop()
+        with working():
+            with self._lock:
+                self._closed = True
+                channels = set(self._channels.values())
+                self._channels.clear()
+            # All stop first, then all are waited for together: a job that sent to several
+            # servers that stopped answering exits in CLOSE_SECONDS, not in that many each.
+            for channel in channels:
+                channel.stop()
         deadline = time.monotonic() + CLOSE_SECONDS
         for channel in channels:
             channel.join(max(deadline - time.monotonic(), 0.0))

@@ -87,7 +87,7 @@ def max_servers() -> int:
 
     Beyond it the least recently opened connection is closed.
     """
-    return _env_int("THING_MAX_SERVERS", 64)
+    return max(_env_int("THING_MAX_SERVERS", 64), 1)
 
 
 def flush_timeout() -> float:
@@ -97,17 +97,18 @@ def flush_timeout() -> float:
 
 def send_timeout() -> float:
     """Seconds a stalled send may take before reconnecting (``THING_SEND_TIMEOUT``, 30)."""
-    return _env_float("THING_SEND_TIMEOUT", 30.0)
+    return max(_env_float("THING_SEND_TIMEOUT", 30.0), 0.1)  # 0 would be non-blocking
 
 
 def connect_timeout() -> float:
     """Seconds a connection attempt, handshake included, may take (``THING_CONNECT_TIMEOUT``, 5)."""
-    return _env_float("THING_CONNECT_TIMEOUT", 5.0)
+    return max(_env_float("THING_CONNECT_TIMEOUT", 5.0), 0.1)
 
 
 def reconnect_interval() -> float:
     """Longest pause between connection attempts (``THING_RECONNECT_INTERVAL``, 1)."""
-    return _env_float("THING_RECONNECT_INTERVAL", 1.0)
+    # Not below 50 ms: 0 would have the sender thread dial in a busy loop.
+    return max(_env_float("THING_RECONNECT_INTERVAL", 1.0), 0.05)
 
 
 def control() -> bool:

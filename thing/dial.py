@@ -120,8 +120,11 @@ def _handshake(sock: socket.socket, address: tuple[str, int], token: str | None,
     what the server said of itself."""
     host, port = address
     client_nonce = auth.new_nonce()
-    hello = {**_identity(), "nonce": client_nonce, "shared_memory": shared_memory,
-             "control": control, "replay": control}
+    # Who this process is (host, pid, run) is told only to a server known to be ours: one
+    # that must prove the token hears it with our own proof, once it has given its own.
+    identity = _identity()
+    hello = {"nonce": client_nonce, "shared_memory": shared_memory, "control": control,
+             "replay": control, **({} if server_must_prove else identity)}
     send_buffers(sock, [wire.encode_handshake(hello)])
     deadline = time.monotonic() + config.connect_timeout()  # the handshake's, all of it
     status, info = wire.recv_handshake(sock, deadline)
@@ -135,7 +138,8 @@ def _handshake(sock: socket.socket, address: tuple[str, int], token: str | None,
                 "not the server you meant (or the tokens differ); not sending to it")
         # Without a token, answer anyway, so the server can say why it refuses us.
         proof = "" if token is None else auth.client_proof(token, client_nonce, server_nonce)
-        send_buffers(sock, [wire.encode_handshake({"proof": proof})])
+        answer = {"proof": proof, **(identity if server_must_prove else {})}
+        send_buffers(sock, [wire.encode_handshake(answer)])
         status, info = wire.recv_handshake(sock, deadline)
         if token is not None:
             mac = auth.SessionMac(token, client_nonce, server_nonce)

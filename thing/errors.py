@@ -17,6 +17,10 @@ class ProtocolError(ThingError):
     connection.
     """
 
+    # The refused capture's name, where its header gave a valid one, so that the REPL
+    # can say by name why nothing of it was kept.
+    capture_name: str | None = None
+
 
 class HandshakeError(ProtocolError):
     """The peer is not a thing peer, speaks another protocol version, or refused us."""

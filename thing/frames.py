@@ -76,25 +76,6 @@ class Headers:
         return header
 
 
-# What a notice calls the type of a capture the sender could not send, from its tree (the
-# object itself was not kept): each node names the type it was made from.
-_LEAF_TYPES = {"numpy": "numpy.ndarray", "torch": "torch.Tensor", "jax": "jax.Array",
-               "bytes": "bytes"}
-_NODE_TYPES = {"nan": "float", "size": "torch.Size", "sparse": "torch.Tensor"}
-
-
-def caught_type(payload: wire.Payload) -> str:
-    """The type of what was caught, as ``wire.type_name`` would have named it (a numpy
-    scalar is named as an array), from its taken-apart ``payload``."""
-    tree = payload.tree
-    if isinstance(tree, dict) and len(tree) == 1:
-        node, value = next(iter(tree.items()))
-        if node == "leaf":
-            return _LEAF_TYPES.get(payload.leaves[value].spec.framework, "array")
-        return _NODE_TYPES.get(node, node)  # "dict", "list", "tuple", "set", "complex", ...
-    return wire.type_name(tree)
-
-
 def read_in_place(payload: wire.Payload) -> bool:
     """Whether a leaf of ``payload`` is a torch tensor read in place, whose trailer can say
     whether it moved on only once its bytes are sent. A loop, not any() of a generator,

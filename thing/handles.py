@@ -8,8 +8,9 @@ no server, a full queue, a closed client, a lost connection, ...).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 # The waiter of each handle someone waits on, made by its first wait() and released (and
 # dropped from here) by resolve(): every handle a channel hands out is resolved. Handles
@@ -87,6 +88,27 @@ class CaptureHandle:
 
 # Handles for calls that never reach a queue; shared so such a call allocates nothing.
 SKIPPED = CaptureHandle(None, "skipped by every=/first=")
+REENTERED = CaptureHandle(None, "not sent: caught from a signal handler or a finalizer that "
+                                "ran in the middle of thing's own work on this thread")
 NO_SERVER = CaptureHandle(None, "not sent: no server is listening")
 QUEUE_FULL = CaptureHandle(None, "not sent: the send queue is full")
 CLOSED = CaptureHandle(None, "not sent: the client is closed")
+
+
+# Whether this thread is in the middle of thing's own work (a catch, a flush or close, the
+# making of the default client, or the sender's locked steps, all its life): a catch() made
+# then, from a signal handler or from a finalizer the garbage collector runs at any
+# allocation, gets REENTERED instead of waiting for a lock its own thread holds, which
+# would hang the job for good.
+busy = threading.local()
+
+
+@contextlib.contextmanager
+def working() -> Iterator[None]:
+    """Mark this thread as in thing's own work for the block (see :data:`busy`)."""
+    was = getattr(busy, "working", False)
+    busy.working = True
+    try:
+        yield
+    finally:
+        busy.working = was

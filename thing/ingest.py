@@ -56,6 +56,7 @@ def ingest_all(store: HistoryStore, overwrite: bool = False,
     if namespace is None:
         namespace = shell.user_ns if shell is not None else _caller_globals()
     protected = set(getattr(shell, "user_ns_hidden", ()) or ()) if shell is not None else set()
+    _forget_gone(namespace)
     bound: dict[str, str] = {}
     claimed: dict[str, str] = {}  # identifier -> the name bound or kept under it
     kept: list[str] = []
@@ -110,6 +111,15 @@ _bound_strongly: dict[tuple[int, str], Any] = {}
 def _ours(namespace: dict[str, Any], ident: str) -> Any:
     key = (id(namespace), ident)
     return _bound_strongly.get(key, _bound_weakly.get(key, _MISSING))
+
+
+def _forget_gone(namespace: dict[str, Any]) -> None:
+    """Forget the numbers bound in ``namespace`` that it no longer holds (deleted, or bound
+    to something else): kept for ever, a run of per-step names would pile up here."""
+    space = id(namespace)
+    for key in [key for key, value in _bound_strongly.items()
+                if key[0] == space and namespace.get(key[1], _MISSING) is not value]:
+        del _bound_strongly[key]
 
 
 def _remember(namespace: dict[str, Any], ident: str, value: Any) -> None:

@@ -48,6 +48,10 @@ log = logging.getLogger("thing")
 # cannot grow a job's memory, nor the time each message takes to apply, without end).
 MAX_STEERED_NAMES = 1000
 KINDS = ("every", "first", "pause")
+# Statements for one rank, beyond which new ones are ignored: ranks run to 2**31. With the
+# statements for every rank (a kind per name at most) a new connection is told fewer than
+# answers.MAX_CONTROL_PER_SECOND, past which a job hangs up on its server.
+MAX_RANKED_STATEMENTS = 4 * MAX_STEERED_NAMES
 # The operations that change what is set (a request is for the calls of now; "replayed"
 # only ends what a new connection is told, see Channel._learn_settings).
 STATEMENTS = ("every", "first", "pause", "resume", "reset", "forget")
@@ -134,6 +138,9 @@ class SettingsTable:
                 len(self._keys_of) >= MAX_STEERED_NAMES:
             return False
         kind = "pause" if operation in ("pause", "resume") else operation
+        if rank is not None and (name, rank, kind) not in statements and \
+                self._ranked >= MAX_RANKED_STATEMENTS:
+            return False
         # What this covers (its name or every name, its rank or every rank) can never
         # decide again: gone, so what is listed is what decides.
         self._drop(name, rank, (kind,))
@@ -237,6 +244,8 @@ class Overrides:
         self._settings: dict[Optional[str], Setting] = {}
         self._settings_rank: Optional[int] = None  # the rank _settings were worked out for
         self._requests: dict[str, int] = {}
+        # Names requested that have brought nothing yet: someone at the REPL waits for them.
+        self._unanswered: set[str] = set()
         self._write = threading.Lock()
         self._connections: set[int] = set()  # ids of channels connected now
         self._expires_at: Optional[float] = None  # monotonic; once no connection is left
@@ -298,6 +307,16 @@ class Overrides:
             self._refresh()
             return True
 
+    def first_answer(self, name: str) -> bool:
+        """Whether a requested capture of ``name`` is the first its request brings (once
+        per request): that one is sent at once, the rest of a request for many calls with
+        the sender's tick."""
+        with self._write:
+            if name not in self._unanswered:
+                return False
+            self._unanswered.discard(name)
+            return True
+
     # -- connection threads -----------------------------------------------------------
 
     def apply(self, message: wire.ControlMessage) -> None:
@@ -319,12 +338,14 @@ class Overrides:
                 if name in self._requests or len(self._requests) < MAX_STEERED_NAMES:
                     self._requests = {**self._requests,
                                       name: self._requests.get(name, 0) + message.value}
+                    self._unanswered.add(name)
                 else:
                     kept = False
             else:
                 if operation == "reset":  # and no call asked for is left waiting
                     self._requests = {} if name is None else {
                         key: left for key, left in self._requests.items() if key != name}
+                    self._unanswered.intersection_update(self._requests)
                 kept = self._table.apply(operation, name, message.rank, message.value)
                 if name is None or operation == "forget" or self._rank() != self._settings_rank:
                     self._resolve_all()
@@ -339,7 +360,8 @@ class Overrides:
             self._refresh()
         if not kept:
             self._say_once("full", f"thing: ignoring the REPL's settings for more than "
-                                   f"{MAX_STEERED_NAMES} names")
+                                   f"{MAX_STEERED_NAMES} names, or {MAX_RANKED_STATEMENTS} "
+                                   "for single ranks")
         log.debug("thing: the REPL set %s", message)
 
     def connected(self, channel: int, server: Optional[str]) -> None:
@@ -375,7 +397,7 @@ class Overrides:
         if it never connects."""
         self._write = threading.Lock()  # a sender thread of the parent may have held it
         self._connections = set()
-        self._requests = {}
+        self._requests, self._unanswered = {}, set()
         if self._expires_at is None and self._table.statements():  # the parent was connected
             self._expires_at = time.monotonic() + self.ttl
         self._refresh()
@@ -396,6 +418,7 @@ class Overrides:
     def _forget_all(self) -> None:
         self._table = SettingsTable()
         self._settings, self._requests, self._expires_at = {}, {}, None
+        self._unanswered.clear()
         self._refresh()
 
     def _refresh(self) -> None:

@@ -165,7 +165,8 @@ class Connection:
         self._send_lock = threading.Lock()
         self._mid_frame = False  # a frame's prefix arrived and it is not answered yet
         self.handshaken = False
-        # Shared-memory mappings this client's captures keep: adopted, minus those gone.
+        # Shared-memory mappings this client's captures keep: adopted, minus those gone
+        # (a finalizer appends to _mappings_gone, from any thread; _adopt counts them off).
         self._mappings_adopted = 0
         self._mappings_gone: deque[None] = deque()
         self.since = time.monotonic()  # when it connected, then when its last frame ended
@@ -214,7 +215,8 @@ class Connection:
         # It holds what it caught before it connected until it hears the settings' end.
         self.awaits_replay = self.takes_control and info.get("replay") is True
         if settings.token is not None:
-            self._authenticate(settings.token, info.get("nonce"))
+            # A client that waits for our proof says who it is only with its own.
+            info = {**info, **self._authenticate(settings.token, info.get("nonce"))}
         if self.takes_descriptors:  # only once proven: none is kept from a peer turned away
             self._stream.take_descriptors()
         # Proven (or no token asked): from now on it holds a slot like any client.
@@ -231,8 +233,9 @@ class Connection:
         )
         return self.sender
 
-    def _authenticate(self, token: str, client_nonce: Any) -> None:
-        """Prove the token to the client, have it prove the token back, start signing."""
+    def _authenticate(self, token: str, client_nonce: Any) -> dict[str, Any]:
+        """Prove the token to the client, have it prove the token back, start signing.
+        Returns the client's answer."""
         if not (isinstance(client_nonce, str) and 32 <= len(client_nonce) <= 128):
             self._refuse("no client nonce: install the same thing version on both sides")
             raise HandshakeError("refused: a hello without a nonce")
@@ -253,6 +256,7 @@ class Connection:
             raise HandshakeError("refused: wrong or missing token")
         self.mac = auth.SessionMac(token, client_nonce, server_nonce)
         self._trailer_size = wire.FRAME_TRAILER.size + auth.MAC_BYTES
+        return answer
 
     def _refuse(self, reason: str) -> None:
         send_buffers(self.sock, [wire.encode_handshake({"error": reason}, wire.HANDSHAKE_REFUSED)])
@@ -432,13 +436,12 @@ class Connection:
                 # collide, a limit): read whole, so the stream is still in step, and the
                 # frames after it, the sender's other captures, must not pay for it.
                 charge.release_header()  # not held while its payload is discarded
-                return self._skip(payload_in_stream, signature, seq,
-                                  None if known is None else known.name, exc)
+                return self._skip(payload_in_stream, signature, seq, known, exc)
             try:
                 capture = self._receive_payload(prefix, known, fds, signature, charge)
             except LimitExceeded as exc:  # the whole frame was read: still in step
-                settings.warn(self.address, f"refused {known.name!r} from {self.address}: {exc}")
-                settings.counts.add(dropped_transfers=1)
+                self._warn_refused(known, exc)
+                self._note_refused(known, exc)
                 return wire.encode_ack(seq, -1, str(exc))
         if capture is None:  # a notice, not a capture
             return wire.encode_ack(seq, -1)
@@ -532,8 +535,11 @@ class Connection:
         """A shared-memory payload's arrays: mapped, or copied out once this client keeps
         ``max_mappings`` mappings (each costs one of the process's limited map entries)."""
         arrays, base = shm.adopt(fd, specs)
-        live = self._mappings_adopted - len(self._mappings_gone)
-        if live < self.settings.max_mappings:
+        gone = self._mappings_gone
+        while gone:  # counted off here, so the deque holds only those gone since the last
+            gone.pop()
+            self._mappings_adopted -= 1
+        if self._mappings_adopted < self.settings.max_mappings:
             self._mappings_adopted += 1
             # A finalizer may run anywhere: it only appends, one atomic C call.
             weakref.finalize(base, self._mappings_gone.append, None)
@@ -553,19 +559,35 @@ class Connection:
                                     "the client that proved the token, or was altered")
         return wire.decode_trailer(bytes(trailer[:size]))
 
-    def _skip(self, payload_bytes: int, signature: Any, seq: int, name: str | None,
+    def _skip(self, payload_bytes: int, signature: Any, seq: int, known: KnownHeader | None,
               why: ProtocolError) -> bytes:
         """Read past a refused frame, so the connection and the frames after it go on."""
-        what = "a capture" if name is None else repr(name)
-        self.settings.warn(self.address, f"refused {what} from {self.address}: {why}")
+        self._warn_refused(known, why)
         if payload_bytes >= SMALL_BYTES:
             self._flush_acks()  # the frames before this one need not wait for its discard
         self._discard(payload_bytes)
         trailer = bytearray(self._trailer_size)
         self._stream.read_into([trailer])
         self._check_trailer(trailer, signature)
+        self._note_refused(known, why)  # signed as its sender's: it may speak of it
+        return wire.encode_ack(seq, -1, str(why)[:wire.MAX_REASON])
+
+    def _warn_refused(self, known: KnownHeader | None, why: ProtocolError) -> None:
+        name = _refused_name(known, why)
+        what = "a capture" if name is None else repr(name)
+        self.settings.warn(self.address, f"refused {what} from {self.address}: {why}")
+
+    def _note_refused(self, known: KnownHeader | None, why: ProtocolError) -> None:
+        """Count a frame read whole and refused, and tell the REPL, by name where the header
+        gave one, why (its sender's handle has the reason too, in the acknowledgement). A
+        frame cut short or forged meanwhile is counted where the connection ends."""
         self.settings.counts.add(dropped_transfers=1)
-        return wire.encode_ack(seq, -1, str(why)[:1000])
+        type_name = "?" if known is None else wire.caught_type(known.header.tree,
+                                                               known.header.leaves)
+        self.settings.store.note_unsent(UnsentNotice(
+            _refused_name(known, why), type_name, str(why)[:wire.MAX_REASON],
+            None if known is None else known.call_site,
+            self.sender if known is None else known.sender, time.time(), refused=True))
 
     def _answer(self, ack: bytes) -> None:
         """Queue an acknowledgement (signed when sent)."""
@@ -820,6 +842,13 @@ def _sender_of(meta: dict[str, Any], connection: Sender) -> Sender:
     # Out of range, a number is nonsense, and a 300-digit one would widen every table.
     return dataclasses.replace(connection, rank=_int_in(rank, wire.RANKS),
                                world_size=_int_in(world_size, range(1, wire.RANKS.stop + 1)))
+
+
+def _refused_name(known: KnownHeader | None, why: ProtocolError) -> str | None:
+    """The name of a refused capture: its header's, or as much of one as was valid."""
+    if known is not None:
+        return known.name
+    return None if why.capture_name is None else wire.printable(why.capture_name)
 
 
 def _notice_of(header: wire.FrameHeader, sender: Sender) -> UnsentNotice:

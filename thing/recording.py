@@ -127,11 +127,14 @@ def load(path: PathLike, store: HistoryStore) -> int:
         else:
             left_out += len(segment.captures)
     loaded = [entry for segment in reversed(kept) for entry in segment.captures]
-    store.restore([entry.capture for entry in loaded], [entry.charge for entry in loaded])
+    added = store.restore([entry.capture for entry in loaded], [entry.charge for entry in loaded])
+    if added < len(loaded):
+        log.warning("%d of the captures of %s were in this history already (loaded before, "
+                    "or saved from it); they are not added twice", len(loaded) - added, directory)
     if dropped:
         store.note_undelivered(Sender(f"recording {directory}", "recorder", 0), dropped)
     if left_out:
         log.warning("loaded the newest %d captures of %s; %d older ones do not fit the "
                     "history's cap (HistoryStore(max_bytes=...), THING_STORE_BYTES)",
-                    len(loaded), directory, left_out)
-    return len(loaded)
+                    added, directory, left_out)
+    return added

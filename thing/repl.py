@@ -131,7 +131,8 @@ def load(path: str | os.PathLike[str]) -> int:
     are memory-mapped: loading is quick, and an array takes memory only once
     looked at. Works without a server (``thing.serve()`` later receives into
     the same history). A damaged or foreign file is refused, nothing loaded.
-    Returns how many captures were loaded.
+    Returns how many captures were loaded: one that is here already (the
+    same recording loaded twice) is not added again.
     """
     global _loaded
     if _server is not None and _server.running:
@@ -365,15 +366,15 @@ def summary(max_items: int | None = 5) -> None:
 
 @_short_traceback
 def describe(name_or_id: str | int, index: int = 0, rank: int | None = None, *,
-             step: int | None = None) -> None:
+             step: int | None = None, run: str | None = None) -> None:
     """Show everything known about a capture, with min/max/mean/std/L2 norm/NaN/Inf for arrays.
 
-    ``name_or_id``, ``index``, ``rank`` and ``step`` select the capture as in :func:`get`;
-    for a name its sender could not send, the reason.
+    ``name_or_id``, ``index``, ``rank``, ``step`` and ``run`` select the capture as in
+    :func:`get`; for a name its sender could not send, or this server refused, the reason.
     """
     from . import display, reports
 
-    display.show(reports.describe(_store(), name_or_id, index, rank, step))
+    display.show(reports.describe(_store(), name_or_id, index, rank, step, run))
 
 
 @_short_traceback

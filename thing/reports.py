@@ -51,7 +51,7 @@ def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None 
     capture: shape, dtype, framework, the value itself for a scalar, how many
     versions are kept, when it arrived and who sent it; ``!`` marks a capture
     that is not consistent (changed after ``catch()`` before its send ended).
-    Below: what senders could not send and why, then counts.
+    Below: what senders could not send and what this server refused, and why; then counts.
     """
     overview = store.overview(max_items)
     now = time.time()
@@ -130,13 +130,13 @@ def on_demand_table(announced: list[Announcement], max_items: int | None = None
 
 
 def unsent_table(notices: list[UnsentNotice], max_items: int | None = None) -> Table | None:
-    """What senders could not send, one row per name and reason, the newest ``max_items``
-    (None: all; ``describe`` has more)."""
+    """What senders could not send and what this server refused, one row per name and
+    reason, the newest ``max_items`` (None: all; ``describe`` has more)."""
     if not notices:
         return None
     rows = [[notice.name if notice.name is not None else "(unnamed)", notice.type_name,
-             notice.reason, sender_of(notice.sender)] for notice in notices[:max_items]]
-    return Table("could not send", [Column("name", 16, "middle"), Column("type", 10),
+             _reason_of(notice), sender_of(notice.sender)] for notice in notices[:max_items]]
+    return Table("not sent, or refused", [Column("name", 16, "middle"), Column("type", 10),
                                     Column("reason", 20), Column("sender", 10)], rows,
                  _more(len(notices) - len(rows), "notice"),
                  [("shrink", "sender"), ("drop", "sender"), ("shrink", "type"),
@@ -155,18 +155,22 @@ def _more(hidden: int, what: str) -> list[str]:
 
 
 def describe(store: HistoryStore, name_or_id: str | int, index: int = 0,
-             rank: int | None = None, step: int | None = None) -> Report:
+             rank: int | None = None, step: int | None = None, run: str | None = None
+             ) -> Report:
     """Everything known about a capture, with statistics for its arrays.
 
-    A name whose sender could not send it is described by the sender's notice.
+    A name whose sender could not send it, or that this server refused, is described by
+    that notice.
     """
     try:
-        capture = store.get(name_or_id, index, rank, step)
+        capture = store.get(name_or_id, index, rank, step, run)
     except UnknownName:
-        # Only a name with nothing kept is described by notices (of that rank, if asked).
+        # Only a name with nothing kept is described by notices (of that rank and run, if
+        # asked).
         unknown = isinstance(name_or_id, str) and not store.versions(name_or_id)
-        notices = [notice for notice in store.unsent(name_or_id) if unknown and (
-            rank is None or notice.sender.rank == rank)] if unknown else []
+        notices = [notice for notice in store.unsent(name_or_id) if (
+            rank is None or notice.sender.rank == rank) and (
+            run in (None, "all") or notice.sender.run == run)] if unknown else []
         if not notices:
             raise
         return Report(*(_notice_fields(notice) for notice in notices))
@@ -219,10 +223,15 @@ def capture_report(capture: Capture, store: HistoryStore | None = None) -> Repor
     return Report(Fields(title, pairs), table)
 
 
+def _reason_of(notice: UnsentNotice) -> str:
+    return f"refused by this server: {notice.reason}" if notice.refused else notice.reason
+
+
 def _notice_fields(notice: UnsentNotice) -> Fields:
-    return Fields(f"could not send {notice.name!r}", [
+    title = "this server refused" if notice.refused else "could not send"
+    return Fields(f"{title} {notice.name!r}", [
         ("type", notice.type_name),
-        ("reason", notice.reason),
+        ("reason", _reason_of(notice)),
         ("call site", notice.call_site or "-"),
         ("sender", sender_of(notice.sender)),
         ("told at", f"{clock(notice.at)} ({ago(notice.at)})"),

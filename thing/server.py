@@ -367,11 +367,12 @@ class Server:
         display.show(reports.summary(self.store, self.info(), max_items))
 
     def describe(self, name_or_id: str | int, index: int = 0, rank: int | None = None, *,
-                 step: int | None = None) -> None:
-        """Show everything known about a capture, with statistics for arrays."""
+                 step: int | None = None, run: str | None = None) -> None:
+        """Show everything known about a capture, with statistics for arrays (see
+        ``thing.describe``)."""
         from . import display, reports
 
-        display.show(reports.describe(self.store, name_or_id, index, rank, step))
+        display.show(reports.describe(self.store, name_or_id, index, rank, step, run))
 
     def status(self, watch: bool = True) -> None:
         """Watch arrivals live (see ``thing.status``)."""

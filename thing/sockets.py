@@ -17,10 +17,35 @@ from pathlib import Path
 
 from ._core import recv_buffers
 
+_no_temporary_directory = False
+
+
+def _temporary_directory() -> Path | None:
+    """The temporary directory; None where none is usable (a read-only container), which
+    tempfile would find out anew, in tens of milliseconds, at each asking (it keeps only
+    the directory it found): asked once."""
+    global _no_temporary_directory
+    if not _no_temporary_directory:
+        try:
+            return Path(tempfile.gettempdir())
+        except OSError:
+            _no_temporary_directory = True
+    return None
+
+
+def home_directory() -> Path | None:
+    """This user's home; None where there is none (no HOME, and a uid with no passwd
+    entry, as in some containers)."""
+    try:
+        return Path.home()
+    except RuntimeError:
+        return None
+
+
 # The sender thread must never be the first to take these: a fork (a DataLoader worker,
 # say) while it holds tempfile's once-lock or is half-way through importing the idna
 # codec that getaddrinfo's host names need leaves the child blocked or failing for good.
-tempfile.gettempdir()
+_temporary_directory()
 "localhost".encode("idna")
 
 
@@ -182,8 +207,9 @@ def unix_socket_path(port: int, host: str = "127.0.0.1") -> Path | None:
     if runtime and os.path.isdir(runtime):
         candidates = [Path(runtime) / "thing"]
     else:
-        candidates = [Path(tempfile.gettempdir()) / f"thing-{os.getuid()}",
-                      Path.home() / ".thing" / "sockets"]
+        temporary, home = _temporary_directory(), home_directory()
+        candidates = [*([] if temporary is None else [temporary / f"thing-{os.getuid()}"]),
+                      *([] if home is None else [home / ".thing" / "sockets"])]
     directory = next((path for path in candidates if private_directory(path)), None)
     if directory is None:
         return None

@@ -21,7 +21,7 @@ import threading
 from typing import TYPE_CHECKING, Optional
 
 from . import wire
-from .overrides import SettingsTable, Statement
+from .overrides import MAX_RANKED_STATEMENTS, MAX_STEERED_NAMES, SettingsTable, Statement
 from .sockets import shutdown
 
 if TYPE_CHECKING:
@@ -77,8 +77,9 @@ class Steering:
         wire.decode_control(message[:wire.CONTROL.size], message[wire.CONTROL.size:])
         with self._lock:
             if operation != "request" and not self._table.apply(operation, name, rank, value):
-                raise ValueError("the REPL steers at most "
-                                 f"{len(self._table.names())} names: thing.reset() some first")
+                raise ValueError(f"the REPL steers at most {MAX_STEERED_NAMES} names, and sets "
+                                 f"at most {MAX_RANKED_STATEMENTS} things for single ranks: "
+                                 "thing.reset() some first")
             return sum(self._send(connection, message) for connection in list(self._connections))
 
     def statements(self) -> list[Statement]:

@@ -11,6 +11,7 @@ are the arrays :meth:`HistoryStore.get` hands out, never copies.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import numbers
@@ -38,6 +39,10 @@ log = logging.getLogger("thing")
 # Sender, its LeafSpecs and dictionary entries. Charged so that a flood of tiny
 # captures (scalars travel in the header, with no payload) is bounded too.
 RECORD_BYTES = 512
+# What a name costs while it has a capture, beyond its captures' records: its history's
+# deque, its entries by identifier and by update (about 940 bytes, measured). Charged so
+# that a job that never repeats a name (f"step{i}/loss") is held to the cap too.
+NAME_BYTES = 1024
 # Notices of captures that could not be sent, kept at most (each is a few hundred bytes).
 MAX_NOTICES = 1000
 
@@ -74,7 +79,8 @@ class Announcement:
 
 @dataclass(frozen=True)
 class UnsentNotice:
-    """A sender's word that it could not send a capture of ``name``, and why (no data).
+    """A sender's word that it could not send a capture of ``name``, and why (no data); or,
+    with ``refused``, this server's own word that it refused one on arrival.
 
     A client tells the server once per name and reason; ``at`` is when the
     newest such notice arrived.
@@ -86,6 +92,7 @@ class UnsentNotice:
     call_site: str | None
     sender: Sender
     at: float
+    refused: bool = False
 
 
 @dataclass(frozen=True)
@@ -200,7 +207,8 @@ class HistoryStore:
                 self._undelivered.popitem(last=False)
 
     def note_unsent(self, notice: UnsentNotice) -> None:
-        """Record a sender's notice that it could not send a capture, and why."""
+        """Record a sender's notice that it could not send a capture, or this server's
+        refusal of one, and why."""
         key = (notice.name, notice.reason)
         with self._lock:
             self._unsent.pop(key, None)
@@ -223,8 +231,10 @@ class HistoryStore:
         """Forget what ``sender`` catches on demand: its connection ended (a job that connects
         again tells its new connection again)."""
         with self._lock:
+            # An announcement's sender has the rank its header gave; the connection's has none.
             for key in [key for key, announcement in self._available.items()
-                        if announcement.sender == sender]:
+                        if dataclasses.replace(announcement.sender, rank=None,
+                                               world_size=None) == sender]:
                 del self._available[key]
 
     def available(self) -> list[Announcement]:
@@ -322,15 +332,22 @@ class HistoryStore:
                 except Exception:  # stored and charged already: a listener must not undo that
                     log.exception("a listener of the history failed on capture %d", capture.id)
 
-    def restore(self, captures: list[Capture], charges: list[int]) -> None:
-        """Add captures read back from a recording, each charged its ``charges`` entry.
+    def restore(self, captures: list[Capture], charges: list[int]) -> int:
+        """Add captures read back from a recording, each charged its ``charges`` entry;
+        return how many were added.
 
         They get new ids, after those of the captures here; every history stays
-        in order of arrival, loaded captures among received ones. Listeners (a
-        recorder) are not told: these captures are on disk already.
+        in order of arrival, loaded captures among received ones. One that is
+        here already (a recording loaded twice, or saved from this history) is
+        not added again: it would count twice in every history and statistic.
+        Listeners (a recorder) are not told: these captures are on disk already.
         """
         with self._lock:
-            for capture, charge in zip(captures, charges):
+            here = {_arrival_of(capture) for capture in self._by_id.values()}
+            fresh = [(capture, charge) for capture, charge in zip(captures, charges)
+                     if _arrival_of(capture) not in here]
+            captures = [capture for capture, _ in fresh]
+            for capture, charge in fresh:
                 capture.id = self._next_id
                 self._insert(capture, charge)
             # Sorting what is mostly sorted already (a recording, then live captures) is cheap.
@@ -346,6 +363,7 @@ class HistoryStore:
             self._make_room()
             if self._sleepers:
                 self._changed.notify_all()
+        return len(captures)
 
     def listen(self, listener: Callable[[Capture], None]) -> None:
         """Call ``listener(capture)`` for every capture stored from now on, on the thread that
@@ -378,6 +396,7 @@ class HistoryStore:
         if history is None:
             history = self._by_name[name] = deque()
             self._by_identifier.setdefault(hash(identifier_for(name)), set()).add(name)
+            self._held += NAME_BYTES
         history.append(capture)
         self._updated.pop(name, None)
         self._updated[name] = None
@@ -409,6 +428,7 @@ class HistoryStore:
         else:
             history.remove(capture)
         if not history:
+            self._held -= NAME_BYTES
             del self._by_name[capture.name]
             del self._updated[capture.name]
             key = hash(identifier_for(capture.name))
@@ -544,6 +564,8 @@ class HistoryStore:
 
     def _unknown(self, name: str) -> str:
         notice = next((n for n in reversed(self._unsent.values()) if n.name == name), None)
+        if notice is not None and notice.refused:
+            return f"nothing named {name!r} was kept: this server refused it ({notice.reason})"
         if notice is not None:
             return (f"nothing named {name!r} arrived: its sender could not send it "
                     f"({notice.reason})")
@@ -715,6 +737,12 @@ def _at_step(name: str, history: list[Capture], step: int) -> Capture:
 
 def _arrival(capture: Capture) -> float:
     return capture.received_at
+
+
+def _arrival_of(capture: Capture) -> tuple[Any, ...]:
+    """What tells one arrival from every other: no two captures of one sender and name
+    share a call number and a time of arrival, and a recording keeps both."""
+    return capture.name, capture.sender, capture.call, capture.received_at
 
 
 def _newest_per_rank(history: deque[Capture]) -> list[tuple[Capture, int]]:

@@ -156,14 +156,19 @@ def decode_handshake_info(body: bytes) -> dict[str, Any]:
 
 
 class Payload:
-    """A capture taken apart on the caller's thread: JSON-ready structure plus array leaves."""
+    """A capture taken apart on the caller's thread: JSON-ready structure plus array leaves.
 
-    __slots__ = ("tree", "leaves", "nbytes")
+    ``nbytes`` is what its arrays send; ``held`` what it holds while it waits to be sent,
+    the text and numbers of its tree too (estimated), which the client's queue counts.
+    """
 
-    def __init__(self, tree: Any, leaves: list[Leaf], nbytes: int):
+    __slots__ = ("tree", "leaves", "nbytes", "held")
+
+    def __init__(self, tree: Any, leaves: list[Leaf], nbytes: int, tree_bytes: int = 0):
         self.tree = tree
         self.leaves = leaves
         self.nbytes = nbytes
+        self.held = nbytes + tree_bytes
 
     def hold(self, copy: bool | None, snapshot_bytes: int) -> None:
         """Snapshot the leaves that must be (see :func:`thing.arrays.hold`)."""
@@ -187,9 +192,44 @@ def take_apart(value: Any, max_depth: int = 64) -> Payload:
     leaf = describe_leaf(value)
     if leaf is not None:  # the common case, kept short: catch() runs in training loops
         return Payload(SINGLE_LEAF, [leaf], leaf.nbytes)
-    leaves: list[Leaf] = []
-    tree = _walk(value, leaves, max_depth)
-    return Payload(tree, leaves, sum(leaf.nbytes for leaf in leaves))
+    taking = _Taking()
+    tree = _walk(value, taking, max_depth)
+    return Payload(tree, taking.leaves, sum(leaf.nbytes for leaf in taking.leaves),
+                   taking.held)
+
+
+# A tree travels as the header's JSON, which servers refuse past THING_MAX_HEADER_BYTES
+# (1 MiB by default; the job's own setting counts here). The walk stops once the least
+# that JSON can be passes it, so a list of a million floats, or a list that holds one list
+# many times over (x = [x, x], forty deep), costs the caller a millisecond, not seconds,
+# and is refused with the reason; what a server would take is never refused here.
+MAX_TREE_BYTES = config.max_header_bytes()
+
+
+class _Taking:
+    """What a walk has taken apart so far: the array leaves, the nodes of the tree, and the
+    bytes of the text in it."""
+
+    __slots__ = ("leaves", "nodes", "text")
+
+    def __init__(self) -> None:
+        self.leaves: list[Leaf] = []
+        self.nodes = self.text = 0
+
+    def node(self, text: int = 0) -> None:
+        """Count a node (with ``text`` bytes of a string); refuse past the budget."""
+        self.nodes += 1
+        self.text += text
+        if 2 * self.nodes + self.text > MAX_TREE_BYTES:  # "0," is the least a node takes
+            raise UnsupportedType(
+                f"a structure of over {MAX_TREE_BYTES} bytes of values outside arrays: "
+                "servers refuse it; catch its numbers as an array")
+
+    @property
+    def held(self) -> int:
+        """What the tree holds while it waits to be sent, roughly: a reference or an
+        object a node, and the text."""
+        return 8 * self.nodes + self.text
 
 
 _SCALARS = (bool, int, float, complex, str)
@@ -197,35 +237,38 @@ _WHAT_TRAVELS = ("arrays, bytes, None, bool, int, float, complex, str, and lists
                  "dicts and sets of them")
 
 
-def _walk(obj: Any, leaves: list[Leaf], depth: int) -> Any:
+def _walk(obj: Any, taking: _Taking, depth: int) -> Any:
     if depth < 0:
         raise UnsupportedType("containers nested too deeply")
     if type(obj) is float:
+        taking.node()
         return _float_node(obj)
     if obj is None or type(obj) in (bool, int, str):
+        taking.node(len(obj) if type(obj) is str else 0)
         return obj
+    taking.node(len(obj) if isinstance(obj, str) else 0)  # a str subclass: an Enum's
     leaf = describe_leaf(obj)
     if leaf is not None:
-        leaves.append(leaf)
-        return {"leaf": len(leaves) - 1}
+        taking.leaves.append(leaf)
+        return {"leaf": len(taking.leaves) - 1}
     if isinstance(obj, _SCALARS):
         return _scalar_node(obj)
     if isinstance(obj, list):
-        return {"list": [_walk(item, leaves, depth - 1) for item in obj]}
+        return {"list": [_walk(item, taking, depth - 1) for item in obj]}
     if isinstance(obj, tuple):
         if is_torch_size(obj):
             return _size_node(obj)
-        return {"tuple": [_walk(item, leaves, depth - 1) for item in obj]}
+        return {"tuple": [_walk(item, taking, depth - 1) for item in obj]}
     if isinstance(obj, dict):
-        return _dict_node(obj.items(), leaves, depth)
+        return _dict_node(obj.items(), taking, depth)
     if isinstance(obj, (set, frozenset)):
-        return _set_node(obj, depth)
+        return _set_node(obj, taking, depth)
     fields = structured_fields(obj)
     if fields is not None:
-        return _dict_node(fields, leaves, depth)
+        return _dict_node(fields, taking, depth)
     sparse = sparse_parts(obj)
     if sparse is not None:
-        return _sparse_node(sparse, leaves)
+        return _sparse_node(sparse, taking)
     raise UnsupportedType(f"cannot send an object of type {type_name(obj)}: "
                           f"thing sends {_WHAT_TRAVELS}")
 
@@ -258,14 +301,17 @@ def _size_node(size: tuple[int, ...]) -> Any:
     return {"size": extents}
 
 
-def _dict_node(items: Any, leaves: list[Leaf], depth: int) -> Any:
-    return {"dict": [[key if type(key) is str else _dict_key(key), _walk(item, leaves, depth - 1)]
+def _dict_node(items: Any, taking: _Taking, depth: int) -> Any:
+    return {"dict": [[_dict_key(key, taking), _walk(item, taking, depth - 1)]
                      for key, item in items]}
 
 
-def _dict_key(key: Any) -> Any:
+def _dict_key(key: Any, taking: _Taking) -> Any:
     # JSON keeps these apart (1, 1.0, true, null and "1" all read back as what they were),
     # so a key travels as itself, and a str-keyed dict as compactly as before.
+    if type(key) is str:
+        taking.node(len(key))
+        return key
     if key is None or type(key) in (int, bool):
         return key
     if isinstance(key, (int, str)) or isinstance(key, float) and math.isfinite(key):
@@ -274,26 +320,28 @@ def _dict_key(key: Any) -> Any:
     raise UnsupportedType(f"dict keys must be str, int, bool, None or finite floats, not {shown}")
 
 
-def _set_node(items: set[Any] | frozenset[Any], depth: int) -> Any:
+def _set_node(items: set[Any] | frozenset[Any], taking: _Taking, depth: int) -> Any:
     tag = "frozenset" if isinstance(items, frozenset) else "set"
-    return {tag: [_set_item_node(item, depth - 1) for item in items]}
+    return {tag: [_set_item_node(item, taking, depth - 1) for item in items]}
 
 
-def _set_item_node(item: Any, depth: int) -> Any:
+def _set_item_node(item: Any, taking: _Taking, depth: int) -> Any:
     if depth < 0:
         raise UnsupportedType("containers nested too deeply")
+    taking.node(len(item) if isinstance(item, str) else 0)
     if item is None or isinstance(item, _SCALARS):
         return _scalar_node(item)
     if isinstance(item, frozenset):
-        return _set_node(item, depth)
+        return _set_node(item, taking, depth)
     raise UnsupportedType(f"a set can hold None, bool, int, float, complex, str and frozensets "
                           f"of them, not {type_name(item)}")
 
 
-def _sparse_node(sparse: SparseParts, leaves: list[Leaf]) -> Any:
+def _sparse_node(sparse: SparseParts, taking: _Taking) -> Any:
     body: dict[str, Any] = {"layout": sparse.layout, "size": sparse.size}
     if sparse.coalesced is not None:
         body["coalesced"] = sparse.coalesced
+    leaves = taking.leaves
     for name, part in sparse.parts.items():
         leaves.append(describe_leaf(part))
         body[name] = {"leaf": len(leaves) - 1}
@@ -306,6 +354,26 @@ def type_name(obj: Any) -> str:
     if kind.__module__ == "builtins":
         return kind.__qualname__
     return f"{kind.__module__}.{kind.__qualname__}"
+
+
+# What a notice calls the type of a capture that was not sent or not kept, from its tree
+# (the object itself is not at hand): each node names the type it was made from.
+_LEAF_TYPES = {"numpy": "numpy.ndarray", "torch": "torch.Tensor", "jax": "jax.Array",
+               "bytes": "bytes"}
+_NODE_TYPES = {"nan": "float", "size": "torch.Size", "sparse": "torch.Tensor"}
+
+
+def caught_type(tree: Any, specs: Sequence[LeafSpec]) -> str:
+    """The type of what was caught, as :func:`type_name` would have named it (a numpy
+    scalar is named as an array), from its taken-apart ``tree`` and its leaves' ``specs``."""
+    if isinstance(tree, dict) and len(tree) == 1:
+        node, value = next(iter(tree.items()))
+        if node == "leaf":
+            framework = specs[value].framework if is_int(value) and 0 <= value < len(specs) \
+                else None
+            return _LEAF_TYPES.get(framework, "array")
+        return _NODE_TYPES.get(node, node)  # "dict", "list", "tuple", "set", "complex", ...
+    return type_name(tree)
 
 
 def encode_header(name: str | None, payload: Payload, meta: dict[str, Any]) -> bytes:
@@ -448,17 +516,21 @@ def decode_header(raw: bytes, payload_len: int, limits: Limits) -> FrameHeader:
     name = document["name"]
     if name is not None and (not isinstance(name, str) or len(name) > limits.max_name_length):
         raise ProtocolError("header name is not a string of acceptable length")
-    meta = document["meta"]
-    if not isinstance(meta, dict):
-        raise ProtocolError("header meta is not an object")
-    leaves = _decode_leaves(document["leaves"], limits)
-    header = FrameHeader(name, document["value"], leaves, meta,
-                         sum(spec.nbytes for spec in leaves))
-    check_payload_length(header, payload_len)
-    used = [False] * len(leaves)
-    _check_tree(document["value"], leaves, used, limits.max_depth)
-    if not all(used):
-        raise ProtocolError("header lists leaves its value does not use")
+    try:
+        meta = document["meta"]
+        if not isinstance(meta, dict):
+            raise ProtocolError("header meta is not an object")
+        leaves = _decode_leaves(document["leaves"], limits)
+        header = FrameHeader(name, document["value"], leaves, meta,
+                             sum(spec.nbytes for spec in leaves))
+        check_payload_length(header, payload_len)
+        used = [False] * len(leaves)
+        _check_tree(document["value"], leaves, used, limits.max_depth)
+        if not all(used):
+            raise ProtocolError("header lists leaves its value does not use")
+    except ProtocolError as exc:
+        exc.capture_name = name
+        raise
     return header
 
 
@@ -492,7 +564,8 @@ def _decode_leaves(raw: Any, limits: Limits) -> tuple[LeafSpec, ...]:
         # extents overflow, so those must fit too.
         span = math.prod(extent for extent in shape if extent)
         if span * CARRIER_DTYPES[dtype].itemsize > limits.max_capture_bytes:
-            raise LimitExceeded(f"leaf of shape {shape} exceeds {limits.max_capture_bytes} bytes")
+            raise LimitExceeded(f"leaf of shape {shape} exceeds {limits.max_capture_bytes} bytes "
+                                "(counting its non-zero extents only, as numpy must)")
         specs.append(LeafSpec(framework, dtype, tuple(shape), scalar))
     return tuple(specs)
 
