@@ -113,9 +113,10 @@ def test_a_catch_from_a_finalizer_or_signal_handler_never_hangs_the_job(
         for step in range(3000):
             Tracker()
             handles.append(thing.catch(np.float32([step]), name="main", block=True))
-        signal.setitimer(signal.ITIMER_REAL, 0)
         assert thing.catch(0.5, name="last", block=True).wait(20)
-        assert all(handle.wait(20) for handle in handles)
+        assert all(handle.wait(20) for handle in handles)  # hurry(), interrupted too
+        assert thing._default_client.flush(20)
+        signal.setitimer(signal.ITIMER_REAL, 0)
         print(json.dumps(outcomes))
         """,
         server.port,

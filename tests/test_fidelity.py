@@ -270,6 +270,32 @@ def test_a_jax_array_sharing_memory_by_dlpack_arrives_as_it_was_at_the_call(
         assert server.store.get(name).consistent
 
 
+def test_a_jax_result_still_computing_is_caught_without_waiting_and_survives_donation(
+        server: thing.Server) -> None:
+    """A small jax result caught while jax still computes it is copied by jax, without
+    waiting for it; the next step may then donate (delete) the original."""
+    pytest.importorskip("jax")
+    out = run_script(
+        """
+        import jax, jax.numpy as jnp, thing
+        corner = jax.jit(lambda x: (x @ x)[:4, :4])
+        donate = jax.jit(lambda x: x * 0 - 1, donate_argnums=0)
+        x = jnp.ones((3000, 3000))
+        corner(x).block_until_ready()
+        assert thing.catch(0.0, name="warm").wait(30)
+        y = corner(x)  # tens of milliseconds of work, dispatched
+        ready = y.is_ready()
+        handle = thing.catch(y, name="corner")
+        donate(y)  # y is gone
+        assert handle.wait(30), handle.error
+        print(ready)
+        """,
+        server.port,
+    )
+    assert out.strip() in ("True", "False")  # False: the case this is about
+    assert np.asarray(server.get("corner")).tolist() == [[3000.0] * 4] * 4
+
+
 def test_copy_false_reads_small_arrays_in_place(server: thing.Server) -> None:
     """The opt-out: a user who knows the array is not rewritten saves the copy."""
     client = thing.Client("127.0.0.1", server.port)

@@ -239,11 +239,13 @@ def hold(leaf: Leaf, copy: bool | None, snapshot_bytes: int) -> None:
             leaf.source = memoryview(bytes(source))
     elif not _on_cpu(source):  # jax: start the device-to-host copy now, read it later
         source.copy_to_host_async()
-    elif snapshot and source.is_ready():
+    elif snapshot:
         # Immutable, unless it shares memory with another framework's array (dlpack), which
         # may change it: copied like any array (a view of it costs jax about 2 us). One
-        # still being computed is jax's own: waiting for it here would block the caller.
-        leaf.source = _snapshot_array(np.asarray(source))
+        # still being computed is jax's own, but may be donated to the next step: copied by
+        # jax, which does not wait for it (waiting here would block the caller).
+        leaf.source = (_snapshot_array(np.asarray(source)) if source.is_ready()
+                       else source.copy())
 
 
 def _snapshot_array(array: np.ndarray) -> bytes:

@@ -40,7 +40,7 @@ from .arrays import leaf_bytes, torn
 from .dial import TRANSPORT_NAMES, dial
 from .errors import ProtocolError
 from .frames import Finished, Headers, Pending, Undelivered, new_pending
-from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle, busy
+from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle, busy, working
 from .names import CallSite
 from .overrides import Overrides
 from .send_queue import SendQueue
@@ -288,17 +288,18 @@ class Channel:
         handler that interrupted a catch holding it, and the sender then sees the flags
         at its tick.
         """
-        if not self._mutex.acquire(timeout=HURRY_LOCK_SECONDS):
-            self._send_now = self._acks_wanted = True
-            return
-        try:
-            if self._queue:
-                self._send_now = True
-            if self._queue or self._inflight:  # until every outcome awaited is known
-                self._acks_wanted = True
-                self._signal()
-        finally:
-            self._mutex.release()
+        with working():  # a signal handler's catch must not wait for the lock held here
+            if not self._mutex.acquire(timeout=HURRY_LOCK_SECONDS):
+                self._send_now = self._acks_wanted = True
+                return
+            try:
+                if self._queue:
+                    self._send_now = True
+                if self._queue or self._inflight:  # until every outcome awaited is known
+                    self._acks_wanted = True
+                    self._signal()
+            finally:
+                self._mutex.release()
 
     def _signal(self) -> None:
         """Wake the sender if it sleeps (the caller holds the lock)."""

@@ -350,14 +350,15 @@ class Client:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued capture was sent and acknowledged; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for channel in list(self._channels.values()):
-            channel.hurry()
-        with working(), self._lock:
-            while any(channel.busy for channel in self._channels.values()):
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._lock.wait(remaining)
+        with working():
+            for channel in list(self._channels.values()):
+                channel.hurry()
+            with self._lock:
+                while any(channel.busy for channel in self._channels.values()):
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._lock.wait(remaining)
         return True
 
     def close(self, timeout: float | None = 0) -> None:
@@ -377,9 +378,9 @@ class Client:
             # servers that stopped answering exits in CLOSE_SECONDS, not in that many each.
             for channel in channels:
                 channel.stop()
-        deadline = time.monotonic() + CLOSE_SECONDS
-        for channel in channels:
-            channel.join(max(deadline - time.monotonic(), 0.0))
+            deadline = time.monotonic() + CLOSE_SECONDS
+            for channel in channels:
+                channel.join(max(deadline - time.monotonic(), 0.0))
 
     def connected(self, server: str | None = None) -> bool:
         """True while the client holds a connection to the (default) server."""

@@ -8,9 +8,8 @@ no server, a full queue, a closed client, a lost connection, ...).
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 # The waiter of each handle someone waits on, made by its first wait() and released (and
 # dropped from here) by resolve(): every handle a channel hands out is resolved. Handles
@@ -103,12 +102,20 @@ CLOSED = CaptureHandle(None, "not sent: the client is closed")
 busy = threading.local()
 
 
-@contextlib.contextmanager
-def working() -> Iterator[None]:
-    """Mark this thread as in thing's own work for the block (see :data:`busy`)."""
-    was = getattr(busy, "working", False)
-    busy.working = True
-    try:
-        yield
-    finally:
-        busy.working = was
+class _Working:
+    """Marks this thread as in thing's own work for a with-block (see :data:`busy`); a
+    class, not a generator, so an interrupt cannot leave the mark behind it."""
+
+    __slots__ = ("_was",)
+
+    def __enter__(self) -> None:
+        self._was = getattr(busy, "working", False)
+        busy.working = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        busy.working = self._was
+
+
+def working() -> _Working:
+    """``with working():`` marks this thread as in thing's own work (see :data:`busy`)."""
+    return _Working()
