@@ -309,10 +309,8 @@ def _dict_node(items: Any, taking: _Taking, depth: int) -> Any:
 def _dict_key(key: Any, taking: _Taking) -> Any:
     # JSON keeps these apart (1, 1.0, true, null and "1" all read back as what they were),
     # so a key travels as itself, and a str-keyed dict as compactly as before.
-    if type(key) is str:
-        taking.node(len(key))
-        return key
-    if key is None or type(key) in (int, bool):
+    taking.node(len(key) if isinstance(key, str) else 0)
+    if key is None or type(key) in (int, bool, str):
         return key
     if isinstance(key, (int, str)) or isinstance(key, float) and math.isfinite(key):
         return _scalar_node(key)  # a subclass (an IntEnum, a numpy float64) travels as its base
