@@ -534,8 +534,7 @@ class HistoryStore:
         if len(aliased) == 1:
             return aliased[0]
         if aliased:
-            raise UnknownName(f"{name!r} stands for several names: "
-                              f"{', '.join(map(repr, aliased))}; use one of them")
+            raise _ambiguous(name, aliased)
         raise UnknownName(self._unknown(name))
 
     def name_to_steer(self, name: str | None) -> str | None:
@@ -553,8 +552,7 @@ class HistoryStore:
                                                if known is not None
                                                and identifier_for(known) == name)}
         if len(aliased) > 1:
-            raise UnknownName(f"{name!r} stands for several names: "
-                              f"{', '.join(map(repr, sorted(aliased)))}; use one of them")
+            raise _ambiguous(name, sorted(aliased))
         return aliased.pop() if aliased else name
 
     def _aliased(self, ident: str) -> list[str]:
@@ -661,8 +659,7 @@ class HistoryStore:
                 # under the lock at every arrival.
                 aliased = self._aliased(name) if name not in self._by_name else []
                 if len(aliased) > 1:  # as get() says it
-                    raise UnknownName(f"{name!r} stands for several names: "
-                                      f"{', '.join(map(repr, aliased))}; use one of them")
+                    raise _ambiguous(name, aliased)
                 known = name if name in self._by_name else (
                     aliased[0] if len(aliased) == 1 else None)
                 history = self._by_name.get(known) if known is not None else None
@@ -737,6 +734,12 @@ def _at_step(name: str, history: list[Capture], step: int) -> Capture:
 
 def _arrival(capture: Capture) -> float:
     return capture.received_at
+
+
+def _ambiguous(name: str, aliased: list[str]) -> UnknownName:
+    """The error for an identifier that several kept names share."""
+    return UnknownName(f"{name!r} stands for several names: "
+                       f"{', '.join(map(repr, aliased))}; use one of them")
 
 
 def _arrival_of(capture: Capture) -> tuple[Any, ...]:
