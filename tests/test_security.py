@@ -819,6 +819,49 @@ def test_a_token_file_others_can_read_is_not_used(tmp_path: Path,
 # -- slots: a silent crowd is no barrier ------------------------------------------------------
 
 
+def test_peers_dialling_at_once_all_come_in_while_slots_are_free() -> None:
+    """The ranks of a job start together: every one that finds a free slot finishes its
+    handshake, however many are in theirs at once; only a full server refuses."""
+    with thing.Server(port=0) as server:
+        server.max_connections = 8
+        ranks = [socket.create_connection(("127.0.0.1", server.port), timeout=10)
+                 for _ in range(8)]
+        try:
+            poll(lambda: server.info().clients == 8, what="all eight to be accepted")
+            for rank, sock in enumerate(ranks):  # all eight in their handshake until now
+                sock.sendall(wire.encode_handshake({"hostname": f"rank-{rank}", "pid": rank}))
+            assert [recv_handshake(sock)[0] for sock in ranks] == [wire.HANDSHAKE_OK] * 8
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as ninth:
+                ninth.sendall(wire.encode_handshake({"hostname": "ninth", "pid": 9}))
+                assert read_to_end(ninth) == b""  # full, and nobody idle yet
+            assert server.refused == 1
+            assert not any(closed_by_peer(sock) for sock in ranks)
+        finally:
+            for sock in ranks:
+                sock.close()
+
+
+def test_a_full_server_closes_the_longest_silent_peer_for_each_newcomer() -> None:
+    """Peers that connect and say nothing give way, oldest first, and the count never
+    passes the cap: one cut off but not yet gone is not chosen a second time."""
+    with thing.Server(port=0) as server:
+        server.max_connections = 4
+        silent = []
+        try:
+            for _ in range(24):
+                silent.append(socket.create_connection(("127.0.0.1", server.port),
+                                                       timeout=10))
+                assert server.info().clients <= 4
+            poll(lambda: server.info().clients == 4, what="four slots held")
+            poll(lambda: all(closed_by_peer(sock) for sock in silent[:20]), 10,
+                 "the twenty oldest to be closed")
+            assert not any(closed_by_peer(sock) for sock in silent[20:])
+            assert server.refused == 0
+        finally:
+            for sock in silent:
+                sock.close()
+
+
 def test_idle_peers_holding_every_slot_do_not_keep_a_client_out(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("thing.server.IDLE_SECONDS", 0.2)  # idle that long: they make room
@@ -850,8 +893,6 @@ def test_clients_that_send_keep_their_slots_and_lose_nothing(
         server.max_connections = 2
         senders = [thing.Client("127.0.0.1", server.port) for _ in range(2)]
         try:
-            # One after the other: two handshakes at once fill this tiny cap's quarter for
-            # peers not yet proven, and the second would cut off the first.
             for client in senders:
                 assert client.catch(0, name="warm").wait(10)
             stop = threading.Event()

@@ -422,16 +422,16 @@ class Server:
                 sock.close()
 
     def _admit(self, sock: socket.socket, name: str) -> None:
-        """Take a new connection into a slot, making room if idle or unproven peers hold them.
+        """Take a new connection into a slot, making room if unproven or idle peers hold them.
 
         Counted from accept, not from the handshake: peers that connect and say
-        nothing must not pile up threads. Peers still in the handshake hold at most
-        a quarter of the slots (the one waiting longest goes first), and when all
-        slots are taken the connection idle the longest goes, if it has sent
-        nothing for IDLE_SECONDS (its client reconnects by itself): a silent crowd
-        is no barrier to a new client. A newcomer is refused rather than cut off a
-        client that sends, whose captures in flight would be lost (and which would
-        cut off another on its way back).
+        nothing must not pile up threads. While slots are free everyone comes in, so
+        the ranks of a large job may all dial at the same moment. When every slot is
+        taken, the peer in its handshake the longest goes first, then the connection
+        idle the longest, if it has sent nothing for IDLE_SECONDS (its client
+        reconnects by itself): a silent crowd is no barrier to a new client. A
+        newcomer is refused rather than cut off a client that sends, whose captures
+        in flight would be lost (and which would cut off another on its way back).
         """
         connection = receiver.Connection(sock, name, self._settings())
         quiet_since = time.monotonic() - IDLE_SECONDS
@@ -440,20 +440,20 @@ class Server:
             unproven = [c for c in connections if not c.handshaken]
             idle = [c for c in connections
                     if c.handshaken and not c.busy and c.since <= quiet_since]
-            if len(unproven) >= max(self.max_connections // 4, 1):
-                make_room = min(unproven, key=lambda c: c.since)
-            elif len(connections) >= self.max_connections and idle:
-                make_room = min(idle, key=lambda c: c.since)
-            elif len(connections) >= self.max_connections:
-                make_room = None
-                self.refused += 1
-                log.warning("refused %s: already serving %d clients, none idle for %g s "
-                            "(THING_MAX_CONNECTIONS)", name, self.max_connections,
-                            IDLE_SECONDS)
-                sock.close()
-                return
-            else:
-                make_room = None
+            make_room = None
+            if len(connections) >= self.max_connections:
+                if unproven or idle:
+                    make_room = min(unproven or idle, key=lambda c: c.since)
+                    # Out of the count at once: until its thread ends, the next newcomer
+                    # would choose it again and come in over the cap.
+                    del self._connections[make_room.sock]
+                else:
+                    self.refused += 1
+                    log.warning("refused %s: already serving %d clients, none idle for %g s "
+                                "(THING_MAX_CONNECTIONS)", name, self.max_connections,
+                                IDLE_SECONDS)
+                    sock.close()
+                    return
             self._connections[sock] = connection
         if make_room is not None:
             log.info("closed the connection of %s, %s, to make room for %s",
