@@ -25,7 +25,7 @@ import stat
 from pathlib import Path
 
 from .errors import ThingError
-from .sockets import home_directory, private_directory
+from .sockets import home_directory, private_directory, runtime_directory
 
 NONCE_BYTES = 32
 MAC_BYTES = 32
@@ -120,9 +120,9 @@ def is_loopback(host: str) -> bool:
 def token_file(port: int) -> Path:
     """Where a server on ``port`` keeps its generated token; :class:`TokenFileError` where
     there is nowhere (no runtime directory, and no home)."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    if runtime and os.path.isdir(runtime):
-        return Path(runtime) / "thing" / f"token-{port}"
+    runtime = runtime_directory()
+    if runtime is not None:
+        return runtime / f"token-{port}"
     home = home_directory()
     if home is None:
         raise TokenFileError("no home directory to keep a token file in (set HOME)")

@@ -42,6 +42,13 @@ def home_directory() -> Path | None:
         return None
 
 
+def runtime_directory() -> Path | None:
+    """thing's directory under ``$XDG_RUNTIME_DIR``, the user's own by design; None
+    where that is not set (or names no directory)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    return Path(runtime) / "thing" if runtime and os.path.isdir(runtime) else None
+
+
 # The sender thread must never be the first to take these: a fork (a DataLoader worker,
 # say) while it holds tempfile's once-lock or is half-way through importing the idna
 # codec that getaddrinfo's host names need leaves the child blocked or failing for good.
@@ -203,9 +210,9 @@ def unix_socket_path(port: int, host: str = "127.0.0.1") -> Path | None:
     bound to another address (127.0.0.2, a LAN address) is ``<address>-<port>.sock``,
     so two such servers of one user on one port keep apart.
     """
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    if runtime and os.path.isdir(runtime):
-        candidates = [Path(runtime) / "thing"]
+    runtime = runtime_directory()
+    if runtime is not None:
+        candidates = [runtime]
     else:
         temporary, home = _temporary_directory(), home_directory()
         candidates = [*([] if temporary is None else [temporary / f"thing-{os.getuid()}"]),
