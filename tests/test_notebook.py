@@ -449,6 +449,9 @@ def test_status_returns_at_once_and_its_display_updates_itself(kernel: Kernel) -
     finally:
         client.close()
     assert kernel.execute("server.running").result == "True"
+    # With the server closed, status(False) still stops the view (no NotServing).
+    kernel.execute("thing.status()\nserver.close()\nthing.status(False)", timeout=5)
+    assert kernel.execute(threads).result == "0"
 
 
 def test_reports_in_a_notebook_are_html_with_plain_text(kernel: Kernel) -> None:

@@ -47,17 +47,15 @@ def watch(store: HistoryStore, info: Callable[[], ServerInfo], on: bool = True,
     """Show the newest ``rows`` arrivals live (see the module's docstring); ``on=False`` stops
     a notebook's view."""
     global _notebook_watcher
+    if not on:
+        stop_watching()
+        return
     if in_notebook():
         with _watcher_lock:
             if _notebook_watcher is not None:
                 _notebook_watcher.stop()
-                _notebook_watcher = None
-            if on:
-                _notebook_watcher = NotebookView(store, view(store, info(), rows),
-                                                 lambda: view(store, info(), rows),
-                                                 "thing-status")
-        return
-    if not on:
+            _notebook_watcher = NotebookView(store, view(store, info(), rows),
+                                             lambda: view(store, info(), rows), "thing-status")
         return
     where = info()
     say(f"Watching arrivals at {where.host}:{where.port}; press Ctrl+C to stop "
@@ -72,6 +70,15 @@ def watch(store: HistoryStore, info: Callable[[], ServerInfo], on: bool = True,
     kept = len(store)
     say(f"Stopped watching; the server is still running at {where.host}:{where.port} with "
         f"{kept} capture{'' if kept == 1 else 's'} kept.")
+
+
+def stop_watching() -> None:
+    """Stop a notebook's live view, if one runs (a terminal's ends with Ctrl+C)."""
+    global _notebook_watcher
+    with _watcher_lock:
+        if _notebook_watcher is not None:
+            _notebook_watcher.stop()
+            _notebook_watcher = None
 
 
 def view(store: HistoryStore, info: ServerInfo, rows: int, width: int | None = None) -> Report:

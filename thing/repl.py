@@ -387,8 +387,11 @@ def status(watch: bool = True) -> None:
     """
     from . import live
 
+    if not watch:  # also once the server is closed: the view must stop whatever happened
+        live.stop_watching()
+        return
     server = default_server()
-    live.watch(server.store, server.info, watch)
+    live.watch(server.store, server.info)
 
 
 def help() -> None:  # noqa: A001 - thing.help() is the documented entry point
