@@ -180,8 +180,52 @@ def test_ranks_flags_names_and_save_of_some_names(tmp_path: Path) -> None:
     everything = tmp_path / "all"
     store.save(everything)
     assert HistoryStore().load(everything) == 4
-    with pytest.raises(ThingError, match="holds a recording already"):
+    with pytest.raises(ThingError, match="is not an empty directory"):
         store.save(everything)
+    assert HistoryStore().load(everything) == 4  # the first save, untouched
+
+
+def test_a_save_is_whole_or_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    """One name given as a string is that name; a save that fails (an unknown name, a
+    full disk mid-way, a directory with files of its own) leaves no file behind and
+    touches none there."""
+    store = HistoryStore()
+    store.add("loss", 1.5, (), 0, Sender("a:1"))
+    store.add("big", np.arange(1000, dtype=np.float32), (), 4000, Sender("a:1"))
+    assert store.save(tmp_path / "one", names="loss") == 1
+    assert HistoryStore().load(tmp_path / "one") == 1
+
+    with pytest.raises(thing.UnknownName):
+        store.save(tmp_path / "typo", names=["loss", "losss"])
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ThingError, match="is not an empty directory"):
+        store.save(mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+    monkeypatch.setattr("thing.recording.SAVE_SEGMENT_BYTES", 0)  # one segment a capture
+    written = []
+
+    def full_disk_at_the_second(path: Path, captures: Any) -> int:
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(path)
+        return real_write(path, captures)
+
+    from thing import recording
+    real_write = recording.write_segment
+    monkeypatch.setattr(recording, "write_segment", full_disk_at_the_second)
+    with pytest.raises(OSError, match="No space"):
+        store.save(tmp_path / "full")
+    assert written  # the first segment was written, then taken away with the rest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "one"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setattr(recording, "write_segment", real_write)
+    assert store.save(empty) == 2  # an empty directory is taken
+    loaded = HistoryStore()
+    assert loaded.load(empty) == 2 and sorted(loaded.names()) == ["big", "loss"]
 
 
 def test_loading_into_a_store_that_holds_captures_keeps_arrival_order(tmp_path: Path) -> None:

@@ -9,17 +9,20 @@ killed mid-write was appending to it.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
 import re
+import secrets
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Union
 
-from .captures import Sender
+from .captures import Capture, Sender
 from .errors import BadRecording, ThingError
-from .segments import KnownHeaders, Segment, clear_staging, read_segment, write_segment
+from .segments import KnownHeaders, Segment, read_segment, write_segment
 from .store import ALL_RUNS, HistoryStore
 
 log = logging.getLogger("thing")
@@ -47,8 +50,8 @@ def segments_of(directory: Path) -> list[tuple[int, Path]]:
 
 
 def lock_for_writing(directory: Path) -> int:
-    """Hold ``directory``'s writer lock, which a recorder holds while it runs and a save
-    while it saves (released when the descriptor closes); ThingError if another holds it."""
+    """Hold ``directory``'s writer lock, which a recorder holds while it runs (released
+    when the descriptor closes); ThingError if another holds it."""
     # O_NOFOLLOW: the lock is the recording's own file, never a link to elsewhere.
     descriptor = os.open(directory / WRITER_LOCK,
                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -56,34 +59,50 @@ def lock_for_writing(directory: Path) -> int:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(descriptor)
-        raise ThingError(f"a recorder (or a save) is writing to {directory}; use another "
+        raise ThingError(f"a recorder is writing to {directory}; use another "
                          "directory") from None
     return descriptor
 
 
-def save(store: HistoryStore, path: PathLike, names: Iterable[str] | None = None) -> int:
-    """Write the kept history (every capture, or those of ``names``) as a new recording at
-    ``path``; return how many captures were written. ``path`` is created; one that holds a
-    recording already, or that a recorder is writing to, is refused."""
+def save(store: HistoryStore, path: PathLike, names: str | Iterable[str] | None = None) -> int:
+    """Write the kept history (every capture, or those of ``names``: one name or several)
+    as a new recording at ``path``; return how many captures were written.
+
+    The recording is written beside ``path`` under a temporary name and renamed into
+    place when whole: a save that fails leaves nothing behind, and one to a directory
+    that holds anything already (a recording, a recorder's, your files) is refused.
+    """
+    captures = _captures_of(store, [names] if isinstance(names, str) else names)
     directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = lock_for_writing(directory)  # a recorder would write its first segment over ours
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    unfinished = directory.parent / f".{directory.name}.saving-{secrets.token_hex(6)}"
+    unfinished.mkdir()
     try:
-        if segments_of(directory):
-            raise ThingError(f"{directory} holds a recording already; save to a new directory")
-        clear_staging(directory)
-        return _save(store, directory, names)
-    finally:
-        os.close(lock)
+        _write(captures, unfinished)
+        try:
+            os.rename(unfinished, directory)  # replaces an empty directory, nothing else
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                raise
+            raise ThingError(f"{directory} exists and is not an empty directory; save to a "
+                             "new one") from None
+    except BaseException:
+        shutil.rmtree(unfinished, ignore_errors=True)
+        raise
+    return len(captures)
 
 
-def _save(store: HistoryStore, directory: Path, names: Iterable[str] | None) -> int:
+def _captures_of(store: HistoryStore, names: Iterable[str] | None) -> list[Capture]:
+    """What a save writes, in order of arrival (an unknown name raises before anything is
+    written)."""
     if names is None:
-        captures = store.kept()
-    else:
-        captures = sorted((capture for name in dict.fromkeys(names)
-                           for capture in store.get_all(name, run=ALL_RUNS)),
-                          key=lambda c: c.received_at)
+        return store.kept()
+    return sorted((capture for name in dict.fromkeys(names)
+                   for capture in store.get_all(name, run=ALL_RUNS)),
+                  key=lambda c: c.received_at)
+
+
+def _write(captures: list[Capture], directory: Path) -> None:
     number, start = 0, 0
     while start < len(captures) or not number:  # an empty history is an empty segment
         held, stop = 0, start
@@ -92,7 +111,6 @@ def _save(store: HistoryStore, directory: Path, names: Iterable[str] | None) -> 
             stop += 1
         number += 1
         start += write_segment(segment_path(directory, number), captures[start:stop])
-    return len(captures)
 
 
 def load(path: PathLike, store: HistoryStore) -> int:

@@ -110,13 +110,15 @@ def _store() -> HistoryStore:
 
 
 @_short_traceback
-def save(path: str | os.PathLike[str], names: Iterable[str] | None = None) -> int:
-    """Write the kept history (every capture, or those of ``names``) to a new directory.
+def save(path: str | os.PathLike[str], names: str | Iterable[str] | None = None) -> int:
+    """Write the kept history (every capture, or those of ``names``: one name or a list)
+    to a new directory.
 
     Arrays go into safetensors files, the rest (names, containers, numbers,
     senders, call sites, times) into their metadata; ``thing.load`` reads it
     back. Needs the ``safetensors`` package (``pip install 'thing[save]'``).
-    Returns how many captures were written.
+    Returns how many captures were written. A directory that holds anything
+    already is refused, and a save that fails leaves nothing behind.
     """
     return _store().save(path, names)
 

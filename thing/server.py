@@ -342,7 +342,7 @@ class Server:
             self.buffers.clear()
         return dropped
 
-    def save(self, path: str | os.PathLike[str], names: Iterable[str] | None = None) -> int:
+    def save(self, path: str | os.PathLike[str], names: str | Iterable[str] | None = None) -> int:
         """Write the kept history (or that of ``names``) to a new directory (see ``thing.save``)."""
         return self.store.save(path, names)
 

@@ -694,7 +694,7 @@ class HistoryStore:
                 self._drop(capture)
             return len(dropped)
 
-    def save(self, path: str | os.PathLike[str], names: Iterable[str] | None = None) -> int:
+    def save(self, path: str | os.PathLike[str], names: str | Iterable[str] | None = None) -> int:
         """Write the kept history (or that of ``names``) as a recording in the new directory
         ``path``; return how many captures were written (see ``docs/FORMAT.md``)."""
         from . import recording
