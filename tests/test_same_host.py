@@ -609,12 +609,47 @@ def test_an_unusable_unix_socket_is_no_licence_for_tcp_without_a_token(
         assert capture.sender.address.startswith("127.0.0.1:")
 
 
+def own_network_address() -> str | None:
+    """This machine's address on its network (None where it has only loopback)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: the route picks the address
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
 def test_only_this_hosts_names_take_the_same_host_path() -> None:
-    """Another host cannot be tested literally; the decision is this pure function."""
-    for name in ("localhost", "127.0.0.1", "127.3.2.1", "::1", socket.gethostname()):
+    """Another host cannot be tested literally; the decision is this pure function. This
+    host in any spelling is this host: a neighbour may listen on its TCP port."""
+    for name in ("localhost", "LOCALHOST", "localhost.", "127.0.0.1", "127.1", "127.3.2.1",
+                 "::1", "::ffff:127.0.0.1", "0.0.0.0", "::", socket.gethostname(),
+                 socket.gethostname().upper(), *filter(None, [own_network_address()])):
         assert is_this_host(name), name
-    for name in ("192.0.2.1", "2001:db8::1", "198.51.100.7", "thing.invalid", "0.0.0.0"):
+    for name in ("192.0.2.1", "2001:db8::1", "198.51.100.7", "thing.invalid"):
         assert not is_this_host(name), name
+
+
+def test_a_neighbour_on_the_tcp_port_hears_nothing_however_this_host_is_spelled(
+        runtime_dir: Path) -> None:
+    """Without a token and with no Unix socket of this user's server, a job sends to no TCP
+    port of its own machine, whichever of its names or addresses it was given."""
+    neighbour = socket.create_server(("0.0.0.0", 0))
+    port = neighbour.getsockname()[1]
+    neighbour.settimeout(0.5)
+    spellings = ["LOCALHOST", "127.1", "0.0.0.0", *filter(None, [own_network_address()])]
+    code = f"""
+        import thing
+        for host in {spellings!r}:
+            handle = thing.catch(1, name="x", server=f"{{host}}:{port}")
+            print(host, handle.wait(10), "THING_TRANSPORT=tcp" in str(handle.error))
+    """
+    with neighbour:
+        out = run_script(code)
+        with pytest.raises(TimeoutError):
+            neighbour.accept()  # nobody ever connected
+    assert out.split("\n")[:-1] == [f"{host} False True" for host in spellings], out
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", socket.gethostname()])

@@ -18,7 +18,16 @@ from typing import Any, NamedTuple
 from . import auth, config, shm, wire
 from ._core import send_buffers
 from .errors import HandshakeError
-from .sockets import connect, connect_unix, peer_uid, set_timeouts, unix_socket_path
+from .sockets import (
+    connect,
+    connect_resolved,
+    connect_unix,
+    is_own_address,
+    peer_uid,
+    resolve,
+    set_timeouts,
+    unix_socket_path,
+)
 
 TRANSPORT_NAMES = {
     "tcp": "TCP",
@@ -84,8 +93,16 @@ def _open(address: tuple[str, int], this_host: bool, token: str | None
     """
     host, port = address
     wanted = config.transport()
-    if wanted == "tcp" or not this_host:
+    if wanted == "tcp":
         return connect(host, port, config.connect_timeout()), "tcp"
+    if not this_host:
+        # A name only the resolver knows may still be this machine (an alias, its own
+        # address on the network): judged on the very addresses the connection will use.
+        resolved = resolve(host, port)
+        own = next((found[0] for _, found in resolved if is_own_address(found[0])), None)
+        if own is None:
+            return connect_resolved(resolved, config.connect_timeout()), "tcp"
+        host = own
     path = unix_socket_path(port, host)
     why = (f"no thing server of this user listens on this machine's Unix socket {path}"
            if path is not None else "no directory only this user can use for thing's Unix "

@@ -146,10 +146,23 @@ def recv_exactly(sock: socket.socket, size: int, deadline: float | None = None) 
 
 def connect(host: str, port: int, timeout: float) -> socket.socket:
     """Open a tuned TCP connection to ``host:port`` within ``timeout`` seconds."""
-    return _connected(socket.create_connection((host, port), timeout=timeout), None, timeout)
+    return connect_resolved(resolve(host, port), timeout)
 
 
-def _connected(sock: socket.socket, address: str | None, timeout: float) -> socket.socket:
+def connect_resolved(addresses: list[tuple[int, tuple]], timeout: float) -> socket.socket:
+    """Open a tuned TCP connection to the first of ``addresses`` (see :func:`resolve`) that
+    answers, each given ``timeout`` seconds; the last one's error if none does."""
+    error: OSError = OSError(errno.EADDRNOTAVAIL, "no address to connect to")
+    for family, address in addresses:
+        try:
+            return _connected(socket.socket(family, socket.SOCK_STREAM), address, timeout)
+        except OSError as exc:
+            error = exc
+    raise error
+
+
+def _connected(sock: socket.socket, address: str | tuple | None, timeout: float
+               ) -> socket.socket:
     """``sock``, connected to ``address`` if given, tuned and with kernel timeouts."""
     try:
         if address is not None:
@@ -220,7 +233,8 @@ def unix_socket_path(port: int, host: str = "127.0.0.1") -> Path | None:
     directory = next((path for path in candidates if private_directory(path)), None)
     if directory is None:
         return None
-    if host in _PLAIN_HOSTS or (_address(host) is None and host in own_names()):
+    host = canonical_host(host)
+    if host in _PLAIN_HOSTS or (_address(host) is None and is_this_host(host)):
         return directory / f"{port}.sock"
     return directory / f"{host.replace(':', '_').replace('/', '_')}-{port}.sock"
 
@@ -273,15 +287,53 @@ def peer_uid(sock: socket.socket) -> int | None:
 
 
 def is_this_host(host: str) -> bool:
-    """True if ``host`` names this machine (loopback, or this host's own name).
+    """True if ``host`` names this machine: loopback, the unspecified address, an address
+    of one of its interfaces, ``localhost``, or this host's own name, however spelled.
 
-    ``localhost`` and addresses are answered without the resolver; a host name
-    looks up this host's names once (see :func:`own_names`).
+    An address is read without the resolver, in any spelling (``127.1``,
+    ``::ffff:127.0.0.1``); a host name looks up this host's names once (see
+    :func:`own_names`). Any other name is the resolver's to answer: see
+    :func:`resolve` and :func:`is_own_address`.
     """
-    if host == "localhost":
+    canonical = canonical_host(host)
+    if _address(canonical) is not None:
+        return is_own_address(canonical)
+    return canonical == "localhost" or canonical in {
+        name.lower().rstrip(".") for name in own_names()}
+
+
+def canonical_host(host: str) -> str:
+    """``host`` in one spelling: an address in its standard form (``127.1`` and
+    ``::ffff:127.0.0.1`` are ``127.0.0.1``), a name in lower case without a final dot.
+    Asks no resolver."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_NUMERICHOST)
+    except (OSError, UnicodeError, ValueError):
+        return host.lower().rstrip(".")
+    address = ipaddress.ip_address(found[0][4][0].partition("%")[0])
+    return str(getattr(address, "ipv4_mapped", None) or address)
+
+
+def is_own_address(address: str) -> bool:
+    """Whether a connection to the IP ``address`` reaches this machine: loopback, the
+    unspecified address, or one of this machine's own (which only it can bind)."""
+    ip = ipaddress.ip_address(canonical_host(address))
+    if ip.is_loopback or ip.is_unspecified:
         return True
-    address = _address(host)
-    return address.is_loopback if address is not None else host in own_names()
+    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET,
+                       socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((str(ip), 0))
+        except OSError:
+            return False
+    return True
+
+
+def resolve(host: str, port: int) -> list[tuple[int, tuple]]:
+    """The ``(family, address)`` pairs a TCP connection to ``host:port`` would try."""
+    return [(family, address) for family, _, _, _, address
+            in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
 
 
 def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
