@@ -129,24 +129,38 @@ def test_what_a_crashed_writer_left_is_deleted_by_the_next(tmp_path: Path) -> No
     """The safetensors package writes a temporary file of its own, named as it likes, before
     the segment's: a SIGKILL then left it (8 MB here) beside the recording, for ever."""
     directory = tmp_path / "rec"
-    for writer in ("record", "save"):
-        staging = directory / writer / ".thing-staging"
-        staging.mkdir(parents=True)
-        for leftover in (".tmpqPTnE4", "segment-000001.safetensors"):
-            (staging / leftover).write_bytes(b"\0" * 1000)
-        store = HistoryStore()
-        store.add("x", np.arange(3), (), 24, Sender("a:1"))
-        if writer == "record":
-            with Recorder(store, directory / writer):
-                assert not list(staging.iterdir())
-                store.add("x", np.arange(4), (), 32, Sender("a:1"))
-        else:
-            store.save(directory / writer)
+    staging = directory / ".thing-staging"
+    staging.mkdir(parents=True)
+    for leftover in (".tmpqPTnE4", "segment-000001.safetensors"):
+        (staging / leftover).write_bytes(b"\0" * 1000)
+    store = HistoryStore()
+    store.add("x", np.arange(3), (), 24, Sender("a:1"))
+    with Recorder(store, directory):
         assert not list(staging.iterdir())
-        loaded = HistoryStore()
-        loaded.load(directory / writer)
-        assert loaded.get("x").value.tolist() == (list(range(4)) if writer == "record"
-                                                  else list(range(3)))
+        store.add("x", np.arange(4), (), 32, Sender("a:1"))
+    assert not list(staging.iterdir())
+    loaded = HistoryStore()
+    loaded.load(directory)
+    assert loaded.get("x").value.tolist() == list(range(4))
+
+
+def test_a_staging_folder_that_is_a_link_is_refused_and_its_target_untouched(
+        tmp_path: Path) -> None:
+    """A recording unpacked from someone's archive may hold a link in place of its staging
+    folder: clearing it would delete the files it points at, and segments would be
+    written there."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "model.pt").write_bytes(b"weights")
+    directory = tmp_path / "rec"
+    directory.mkdir()
+    (directory / ".thing-staging").symlink_to(victim)
+    with pytest.raises(OSError, match="not a directory of this user's own"):
+        Recorder(HistoryStore(), directory).start()
+    assert [p.name for p in victim.iterdir()] == ["model.pt"]
+    (directory / ".thing-staging").unlink()  # once removed, the directory records (unlocked)
+    with Recorder(HistoryStore(), directory):
+        pass
 
 
 @pytest.mark.parametrize("seconds", [float("inf"), 1e300, float("nan"), 0.0, -1.0])
@@ -224,11 +238,11 @@ def test_a_sender_faster_than_the_writer_is_slowed_not_dropped(tmp_path: Path) -
 def test_one_writer_per_directory(tmp_path: Path) -> None:
     store = HistoryStore()
     with Recorder(store, tmp_path / "rec") as recorder:
-        with pytest.raises(ThingError, match=r"a recorder \(or a save\) is writing to"):
+        with pytest.raises(ThingError, match=r"a recorder is writing to"):
             Recorder(HistoryStore(), tmp_path / "rec").start()
         # Before its first segment: the recorder would have written it over the saved one.
         store.add("saved", 1.0, (), 0, Sender("a:1"))
-        with pytest.raises(ThingError, match=r"a recorder \(or a save\) is writing to"):
+        with pytest.raises(ThingError, match=r"is not an empty directory"):
             store.save(tmp_path / "rec")
         store.add("recorded", 2.0, (), 0, Sender("a:1"))
     assert recorder.written >= 1

@@ -124,8 +124,13 @@ class Recorder:
         if self._thread is not None:
             return self
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._lock_file = lock_for_writing(self.directory)
-        clear_staging(self.directory)  # a crashed writer's half-written segment
+        lock = lock_for_writing(self.directory)
+        try:
+            clear_staging(self.directory)  # a crashed writer's half-written segment
+        except OSError:
+            os.close(lock)
+            raise
+        self._lock_file = lock
         existing = segments_of(self.directory)
         self._next_number = existing[-1][0] + 1 if existing else 1
         self._closing = self._finished = False

@@ -17,6 +17,7 @@ memory only for the arrays one looks at.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -141,9 +142,7 @@ def write_unflushed(path: Path, captures: Sequence[Capture],
     metadata = {"format": FORMAT, "version": str(FORMAT_VERSION),
                 "captures": "[" + ",".join(records) + "]",
                 "dropped": json.dumps(dropped or {})}
-    staging = path.parent / STAGING
-    staging.mkdir(exist_ok=True)
-    temporary = staging / path.name
+    temporary = staging_directory(path.parent) / path.name
     try:
         serialize_file(tensors, str(temporary), metadata=metadata)
     except BaseException as exc:
@@ -155,14 +154,24 @@ def write_unflushed(path: Path, captures: Sequence[Capture],
     return temporary, len(records)
 
 
+def staging_directory(directory: Path) -> Path:
+    """``directory``'s staging folder, made if missing. ``OSError`` if it is anything but
+    a real directory of this user: a link there (a recording unpacked from someone's
+    archive) would have files written, and a crashed writer's cleared, where it points."""
+    staging = directory / STAGING
+    with contextlib.suppress(FileExistsError):
+        staging.mkdir()
+    info = staging.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise OSError(errno.EEXIST, f"{staging} is not a directory of this user's own (a "
+                      "link?); remove it to write a recording there")
+    return staging
+
+
 def clear_staging(directory: Path) -> None:
     """Delete what a crashed writer left in ``directory``'s staging folder (the caller holds
     the directory's writer lock: no live writer's files are there)."""
-    try:
-        entries = list(os.scandir(directory / STAGING))
-    except FileNotFoundError:
-        return
-    for entry in entries:
+    for entry in list(os.scandir(staging_directory(directory))):
         if not entry.is_dir(follow_symlinks=False):
             _remove_quietly(Path(entry.path))
 
