@@ -175,6 +175,17 @@ def test_text_is_charged_what_it_holds_in_memory(character: str) -> None:
     assert held <= store.held_bytes <= store.max_bytes
 
 
+def test_large_ints_are_charged_their_digits() -> None:
+    """An int of 4,000 digits holds 1.8 KB: charged 32 bytes, a flood of them filled
+    memory 40 times the cap before anything was evicted."""
+    store = HistoryStore(max_bytes=1 << 20)
+    for i in range(40):
+        store.add("big", [10**4000 + i + k for k in range(50)], (), 0, SENDER)
+    held = sum(sys.getsizeof(number) for capture in store.get_all("big")
+               for number in capture.value)
+    assert held <= store.held_bytes <= store.max_bytes
+
+
 def test_clear_one_name_or_everything() -> None:
     store = HistoryStore(max_bytes=1 << 20)
     put(store, "a")

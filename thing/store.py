@@ -775,7 +775,7 @@ def _header_bytes(value: Any) -> int:
     stack = [value]
     while stack:
         node = stack.pop()
-        if isinstance(node, str):  # 1, 2 or 4 bytes a character, as CPython holds it
+        if isinstance(node, (str, int)):  # a str's 1, 2 or 4 bytes a character; an int's digits
             total += sys.getsizeof(node)
         elif isinstance(node, dict):
             total += 64 + 100 * len(node)
@@ -786,7 +786,7 @@ def _header_bytes(value: Any) -> int:
             total += 56 + 8 * len(node) + (32 * len(node) if isinstance(node, (set, frozenset))
                                            else 0)
             stack.extend(node)
-        elif isinstance(node, (int, float, complex)) or node is None:
+        elif isinstance(node, (float, complex)) or node is None:
             total += 32
         # arrays and bytes: their bytes were reserved as payload
     return total
