@@ -216,6 +216,31 @@ def test_the_byte_budget_deletes_the_oldest_segments(tmp_path: Path) -> None:
     assert steps == list(range(200 - len(steps), 200))  # the newest, none missing
 
 
+def test_dropped_counts_of_several_recordings_add_up_and_stay_few(tmp_path: Path) -> None:
+    """Loading a second recording adds its dropped counts (it replaced the first's); the
+    same one loaded again adds nothing; a file claiming thousands of reasons is kept to a
+    few (its counts all there) rather than held, and printed, for ever."""
+    from thing.recording import MAX_DROPPED_REASONS, segment_path
+    from thing.segments import write_segment
+
+    for name, counts in (("a", {DISK_FULL: 5}), ("b", {FALLING_BEHIND: 3})):
+        (tmp_path / name).mkdir()
+        write_segment(segment_path(tmp_path / name, 1), [], counts)
+    store = HistoryStore()
+    for name in ("a", "b", "a"):
+        store.load(tmp_path / name)
+    assert store.overview().undelivered == {DISK_FULL: 5, FALLING_BEHIND: 3}
+
+    (tmp_path / "many").mkdir()
+    for number in range(1, 4):
+        write_segment(segment_path(tmp_path / "many", number), [],
+                      {f"reason {number}-{i}": 1 for i in range(1000)})
+    loaded = HistoryStore()
+    loaded.load(tmp_path / "many")
+    undelivered = loaded.overview().undelivered
+    assert len(undelivered) == MAX_DROPPED_REASONS + 1 and sum(undelivered.values()) == 3000
+
+
 def test_a_sender_faster_than_the_writer_is_slowed_not_dropped(tmp_path: Path) -> None:
     """Past max_pending_bytes a receiving thread waits for the writer (the sender's frames
     wait in its queue); past max_wait it gives up, and the capture is counted as dropped."""

@@ -31,6 +31,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 SEGMENT_NAME = re.compile(r"segment-(\d{6,18})\.safetensors")
 SAVE_SEGMENT_BYTES = 1 << 30  # save() starts a new file after this many bytes of arrays
 WRITER_LOCK = ".thing-recorder.lock"  # see lock_for_writing
+MAX_DROPPED_REASONS = 16  # distinct reasons for dropped captures kept from one recording
 
 
 def segment_path(directory: Path, number: int) -> Path:
@@ -136,8 +137,11 @@ def load(path: PathLike, store: HistoryStore) -> int:
         except FileNotFoundError:
             log.info("%s was removed while it was being loaded; skipped", segment_file)
             continue
-        # Each says what its recorder dropped since the segment before it.
+        # Each says what its recorder dropped since the segment before it. A recorder
+        # has a handful of reasons; a file may claim any number.
         for reason, count in segment.dropped.items():
+            if reason not in dropped and len(dropped) >= MAX_DROPPED_REASONS:
+                reason = "other reasons"
             dropped[reason] = dropped.get(reason, 0) + count
         if held < store.max_bytes:
             kept.append(segment)
@@ -150,7 +154,9 @@ def load(path: PathLike, store: HistoryStore) -> int:
         log.warning("%d of the captures of %s were in this history already (loaded before, "
                     "or saved from it); they are not added twice", len(loaded) - added, directory)
     if dropped:
-        store.note_undelivered(Sender(f"recording {directory}", "recorder", 0), dropped)
+        # One sender per recording: loading another adds its counts, loading it again not.
+        where = f"recording {directory.resolve()}"
+        store.note_undelivered(Sender(where, where, 0), dropped)
     if left_out:
         log.warning("loaded the newest %d captures of %s; %d older ones do not fit the "
                     "history's cap (HistoryStore(max_bytes=...), THING_STORE_BYTES)",
