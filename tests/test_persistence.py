@@ -185,6 +185,20 @@ def test_ranks_flags_names_and_save_of_some_names(tmp_path: Path) -> None:
     assert HistoryStore().load(everything) == 4  # the first save, untouched
 
 
+def test_a_name_and_its_identifier_save_each_capture_once(tmp_path: Path) -> None:
+    """names=["h[3]", "h_3"] is one history named twice: each capture is written once, and
+    a recording holding one twice (a hostile file) loads it once."""
+    store = HistoryStore()
+    for step in range(3):
+        store.add("h[3]", float(step), (), 0, Sender("job:1", "host", 7), call=step + 1)
+    assert store.save(tmp_path / "rec", names=["h[3]", "h_3"]) == 3
+    loaded = HistoryStore()
+    assert loaded.load(tmp_path / "rec") == 3
+    assert [c.value for c in loaded.get_all("h[3]")] == [0.0, 1.0, 2.0]
+    twice = store.kept() * 2
+    assert HistoryStore().restore(twice, [0] * len(twice)) == 3
+
+
 def test_a_save_is_whole_or_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
     """One name given as a string is that name; a save that fails (an unknown name, a
     full disk mid-way, a directory with files of its own) leaves no file behind and

@@ -98,9 +98,10 @@ def _captures_of(store: HistoryStore, names: Iterable[str] | None) -> list[Captu
     written)."""
     if names is None:
         return store.kept()
-    return sorted((capture for name in dict.fromkeys(names)
-                   for capture in store.get_all(name, run=ALL_RUNS)),
-                  key=lambda c: c.received_at)
+    # By id: two names may be one history (a name and its identifier, h[3] and h_3_).
+    chosen = {capture.id: capture for name in names
+              for capture in store.get_all(name, run=ALL_RUNS)}
+    return sorted(chosen.values(), key=lambda c: c.received_at)
 
 
 def _write(captures: list[Capture], directory: Path) -> None:

@@ -344,8 +344,12 @@ class HistoryStore:
         """
         with self._lock:
             here = {_arrival_of(capture) for capture in self._by_id.values()}
-            fresh = [(capture, charge) for capture, charge in zip(captures, charges)
-                     if _arrival_of(capture) not in here]
+            fresh = []
+            for capture, charge in zip(captures, charges):
+                arrival = _arrival_of(capture)
+                if arrival not in here:  # nor twice in the recording (a hostile one)
+                    here.add(arrival)
+                    fresh.append((capture, charge))
             captures = [capture for capture, _ in fresh]
             for capture, charge in fresh:
                 capture.id = self._next_id
