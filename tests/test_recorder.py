@@ -216,6 +216,22 @@ def test_the_byte_budget_deletes_the_oldest_segments(tmp_path: Path) -> None:
     assert steps == list(range(200 - len(steps), 200))  # the newest, none missing
 
 
+def test_a_recorder_refuses_to_number_a_segment_no_reader_would_see(tmp_path: Path) -> None:
+    """After a segment numbered 10**18 - 1 (a crafted directory), the next one's name would
+    not be a segment's: unseen by load, never deleted by the byte budget."""
+    from thing.recording import segment_path
+    from thing.segments import write_segment
+
+    directory = tmp_path / "rec"
+    directory.mkdir()
+    write_segment(segment_path(directory, 10**18 - 1), [])
+    with pytest.raises(ThingError, match="cannot number one after it"):
+        Recorder(HistoryStore(), directory).start()
+    segment_path(directory, 10**18 - 1).unlink()
+    with Recorder(HistoryStore(), directory):  # the lock was let go: the next may take it
+        pass
+
+
 def test_dropped_counts_of_several_recordings_add_up_and_stay_few(tmp_path: Path) -> None:
     """Loading a second recording adds its dropped counts (it replaced the first's); the
     same one loaded again adds nothing; a file claiming thousands of reasons is kept to a

@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 from .captures import Capture
-from .recording import PathLike, lock_for_writing, segment_path, segments_of
+from .errors import ThingError
+from .recording import (
+    MAX_SEGMENT_NUMBER,
+    PathLike,
+    lock_for_writing,
+    segment_path,
+    segments_of,
+)
 from .segments import clear_staging, commit, write_segment, write_unflushed
 from .store import HistoryStore
 
@@ -130,9 +137,13 @@ class Recorder:
         except OSError:
             os.close(lock)
             raise
-        self._lock_file = lock
         existing = segments_of(self.directory)
         self._next_number = existing[-1][0] + 1 if existing else 1
+        if self._next_number >= MAX_SEGMENT_NUMBER:  # a crafted directory: no reader would see it
+            os.close(lock)
+            raise ThingError(f"{self.directory} holds a segment numbered "
+                             f"{existing[-1][0]}; a recorder cannot number one after it")
+        self._lock_file = lock
         self._closing = self._finished = False
         self._thread = threading.Thread(target=self._run, name="thing-recorder", daemon=True)
         self._flusher = threading.Thread(target=self._flush_in_order, name="thing-recorder-flush",

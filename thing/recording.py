@@ -29,6 +29,7 @@ log = logging.getLogger("thing")
 
 PathLike = Union[str, "os.PathLike[str]"]
 SEGMENT_NAME = re.compile(r"segment-(\d{6,18})\.safetensors")
+MAX_SEGMENT_NUMBER = 10**18  # the first that SEGMENT_NAME does not match
 SAVE_SEGMENT_BYTES = 1 << 30  # save() starts a new file after this many bytes of arrays
 WRITER_LOCK = ".thing-recorder.lock"  # see lock_for_writing
 MAX_DROPPED_REASONS = 16  # distinct reasons for dropped captures kept from one recording
