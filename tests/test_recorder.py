@@ -276,6 +276,18 @@ def test_a_sender_faster_than_the_writer_is_slowed_not_dropped(tmp_path: Path) -
     assert recorded.overview().undelivered == {FALLING_BEHIND: hasty.dropped[FALLING_BEHIND]}
 
 
+def test_text_waiting_to_be_written_counts_toward_the_bound(tmp_path: Path) -> None:
+    """Captures of text (or long lists of numbers) weigh what the store charges them: they
+    weighed nothing, so a flood of them piled up in the recorder without bound."""
+    store = HistoryStore()
+    with Recorder(store, tmp_path / "rec", segment_seconds=0.5, max_pending_bytes=200_000,
+                  max_wait=0.05) as recorder:
+        for i in range(20):
+            store.add("note", f"{i:04d}" + "x" * 65_536, (), 0, Sender("a:1"))
+        assert recorder.dropped.get(FALLING_BEHIND, 0) > 0
+    assert recorder.written + recorder.dropped[FALLING_BEHIND] == 20
+
+
 def test_one_writer_per_directory(tmp_path: Path) -> None:
     store = HistoryStore()
     with Recorder(store, tmp_path / "rec") as recorder:

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                              help="keep the recording under SIZE on disk (e.g. 20G), deleting "
                                   "its oldest segments first (default: no limit)")
         command.add_argument("--segment-bytes", type=_size, default=64 << 20, metavar="SIZE",
-                             help="start a new segment file after SIZE of arrays (default 64M)")
+                             help="start a new segment file after SIZE of captures (default 64M)")
         command.add_argument("--segment-seconds", type=_seconds, default=10.0, metavar="S",
                              help="write a segment at most S seconds after its first capture: "
                                   "a crash loses at most that (default 10)")

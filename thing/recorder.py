@@ -2,7 +2,8 @@
 
 Captures gather in an open segment, kept in memory, which is written
 (``segments.write_segment``: temporary name, fsync, rename) once it holds
-``segment_bytes`` of arrays, ``segment_captures`` captures, or its first
+``segment_bytes`` of captures (their arrays, text and numbers, as the store
+counts them), ``segment_captures`` captures, or its first
 capture is ``segment_seconds`` old. A crash loses the open segment at most;
 every file in the directory is whole. After each segment the oldest are
 deleted while the recording holds more than ``max_bytes``.
@@ -53,6 +54,12 @@ MAX_SEGMENT_SECONDS = 7 * 24 * 3600.0
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+class _Waiting(NamedTuple):
+    capture: Capture
+    arrived: float  # monotonic
+    weight: int  # what the store charged it (see HistoryStore.charge)
+
+
 class _Unflushed(NamedTuple):
     temporary: Path
     path: Path
@@ -76,7 +83,8 @@ class Recorder:
 
     ``max_bytes`` (default: no limit) caps the recording on disk, the oldest
     segments deleted first (the newest is always kept). A segment is written
-    at ``segment_bytes`` of arrays (default 64 MiB), ``segment_captures``
+    at ``segment_bytes`` of captures, as the store counts them (default 64 MiB),
+    ``segment_captures``
     captures (10,000), or ``segment_seconds`` (10 s) after its first capture:
     a crash loses at most that. Captures waiting to be written may take up to
     ``max_pending_bytes`` (default four segments' bytes, and four segments'
@@ -112,8 +120,7 @@ class Recorder:
         self.segments = 0  # segments written, since start()
         self.dropped: dict[str, int] = {}  # captures not written, by reason, since start()
         self._unreported: dict[str, int] = {}  # dropped, not yet in a segment's metadata
-        self._pending: list[Capture] = []
-        self._arrivals: list[float] = []  # monotonic time each pending capture came
+        self._pending: list[_Waiting] = []
         self._finished = False  # the writer took its last segment: nothing more is taken
         self._pending_bytes = 0
         self._changed = threading.Condition()
@@ -189,8 +196,11 @@ class Recorder:
         too much is waiting to be written, which slows the sender to the disk's pace."""
         with self._changed:
             deadline = time.monotonic() + self.max_wait
+            # What the store charges it, text and numbers too: a flood of text is held here
+            # as surely as one of arrays.
+            weight = self.store.charge(capture)
             while self._pending and not self._closing and (
-                    self._pending_bytes + capture.nbytes > self.max_pending_bytes
+                    self._pending_bytes + weight > self.max_pending_bytes
                     or len(self._pending) >= 4 * self.segment_captures):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -204,26 +214,25 @@ class Recorder:
             if self._finished:  # stored as the recorder closed, after its last segment
                 self._drop(CLOSED, 1)
                 return
-            self._pending.append(capture)
-            self._arrivals.append(time.monotonic())
-            self._pending_bytes += capture.nbytes
+            self._pending.append(_Waiting(capture, time.monotonic(), weight))
+            self._pending_bytes += weight
             if len(self._pending) == 1 or self._segment_due():  # the first starts the clock
                 self._changed.notify_all()
 
-    def _take_segment(self) -> tuple[list[Capture], list[float]]:
-        """The oldest pending captures, as many as one segment holds (one at least), with
-        when they came; the caller holds ``_changed``."""
+    def _take_segment(self) -> list[_Waiting]:
+        """The oldest pending captures, as many as one segment holds (one at least); the
+        caller holds ``_changed``."""
         count, nbytes = 0, 0
-        for capture in self._pending:
+        for waiting in self._pending:
             if count and (count >= self.segment_captures
-                          or nbytes + capture.nbytes > self.segment_bytes):
+                          or nbytes + waiting.weight > self.segment_bytes):
                 break
             count += 1
-            nbytes += capture.nbytes
-        batch, arrivals = self._pending[:count], self._arrivals[:count]
-        del self._pending[:count], self._arrivals[:count]
+            nbytes += waiting.weight
+        batch = self._pending[:count]
+        del self._pending[:count]
         self._pending_bytes -= nbytes
-        return batch, arrivals
+        return batch
 
     def _segment_due(self) -> bool:
         return (self._pending_bytes >= self.segment_bytes
@@ -234,38 +243,36 @@ class Recorder:
             with self._changed:
                 while not self._closing:
                     if self._pending and (self._segment_due() or time.monotonic()
-                                          >= self._arrivals[0] + self.segment_seconds):
+                                          >= self._pending[0].arrived + self.segment_seconds):
                         break
-                    wait = (self._arrivals[0] + self.segment_seconds - time.monotonic()
+                    wait = (self._pending[0].arrived + self.segment_seconds - time.monotonic()
                             if self._pending else None)
                     self._changed.wait(wait)
-                batch, arrivals = self._take_segment()
+                batch = self._take_segment()
                 dropped, self._unreported = self._unreported, {}
                 self._finished = finished = self._closing and not self._pending
                 self._changed.notify_all()  # receivers waiting for room have it
             if batch or (finished and dropped):  # at the end, an empty one tells what dropped
-                self._write(batch, arrivals, dropped)
-            del batch, arrivals  # written: waiting for the next, it keeps none of them
+                self._write(batch, dropped)
+            del batch  # written: waiting for the next, it keeps none of them
             with self._changed:
                 if self._finished:  # still: _write may have given captures back
                     return
 
-    def _write(self, batch: list[Capture], arrivals: list[float],
-               dropped: dict[str, int]) -> None:
+    def _write(self, batch: list[_Waiting], dropped: dict[str, int]) -> None:
         """Write a segment; the flusher thread flushes and names it while the next is written
         (flushing each one before writing the next would leave the disk idle between them)."""
         path = segment_path(self.directory, self._next_number)
         self._next_number += 1
         try:
-            temporary, written = write_unflushed(path, batch, dropped)
+            temporary, written = write_unflushed(path, [w.capture for w in batch], dropped)
         except Exception as exc:
             self._failed(exc, path, len(batch), dropped)
             return
         if written < len(batch):  # their records fill a segment's header: the rest wait
             with self._changed:
                 self._pending[:0] = batch[written:]
-                self._arrivals[:0] = arrivals[written:]
-                self._pending_bytes += sum(capture.nbytes for capture in batch[written:])
+                self._pending_bytes += sum(waiting.weight for waiting in batch[written:])
                 self._finished = False
         self._unflushed.put(_Unflushed(temporary, path, written, dropped))
 

@@ -712,6 +712,12 @@ class HistoryStore:
 
         return recording.load(path, self)
 
+    def charge(self, capture: Capture) -> int:
+        """The bytes ``capture`` is counted as holding: its arrays and everything else it
+        holds (its record; text and numbers that came in its header); once it is evicted,
+        its arrays alone."""
+        return self._charged.get(capture.id, capture.nbytes)
+
     @property
     def held_bytes(self) -> int:
         """Bytes of stored captures and of those being received."""
