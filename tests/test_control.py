@@ -8,6 +8,7 @@ after a setting is acknowledged, the job has applied the setting (``sync``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import tempfile
@@ -23,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import thing
-from thing import answers, auth, channel, live, reports, wire
+from thing import answers, auth, live, reports, wire
 from thing.answers import read_server_message
 from thing.channel import PAUSED
 from thing.errors import ProtocolError
@@ -869,7 +870,40 @@ def test_a_refusal_of_any_length_reaches_its_handle_short_and_escaped() -> None:
         print(handle.error)
     """, port, THING_TRANSPORT="tcp").strip()
     assert error.startswith("refused by the server: \\x01\\x01")
-    assert len(error) <= len("refused by the server: ") + 4 * channel.MAX_REFUSAL_TEXT
+    assert len(error) <= len("refused by the server: ") + 4 * wire.MAX_REFUSAL_TEXT
+
+
+def test_a_server_refusing_every_other_handshake_at_length_is_logged_rarely_and_short() -> None:
+    """A server that takes one connection and refuses the next, with 64 KiB of reason, had
+    the job log 160,000 characters at every refusal: 330 MB an hour."""
+    turns = itertools.count()
+
+    def speak(connection: socket.socket) -> None:
+        wire.recv_handshake(connection)
+        if next(turns) % 2:
+            body = json.dumps({"error": "go away " + "\U000e0001" * 16_000},  # 64 KB
+                              ensure_ascii=False).encode()
+            connection.sendall(wire.HANDSHAKE.pack(wire.MAGIC, wire.VERSION,
+                                                   wire.HANDSHAKE_REFUSED, len(body)) + body)
+        else:
+            connection.sendall(wire.encode_handshake({"server": "thing"}))
+
+    port, accepted = fake_server(speak)
+    result = run_script("""
+        import logging, time, thing
+        logging.basicConfig(level=logging.WARNING)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            handle = thing.catch(1.0, name="x")
+            time.sleep(0.02)
+        print(len(handle.error or ""))
+    """, port, full=True, THING_TRANSPORT="tcp", THING_RECONNECT_INTERVAL="0.05")
+    assert accepted[0] >= 6  # refused three times at least
+    refusals = [line for line in result.stderr.splitlines() if "cannot use the thing" in line]
+    assert len(refusals) == 1, result.stderr[:2000]
+    # Cut, then escaped: 4,000 characters of ten each (160,000 uncut).
+    assert len(refusals[0]) < 11 * wire.MAX_REFUSAL_TEXT
+    assert int(result.stdout) < 11 * wire.MAX_REFUSAL_TEXT
 
 
 def test_a_handshake_dripped_a_byte_at_a_time_ends_at_the_connect_timeout(

@@ -78,9 +78,6 @@ _CLOSED_IN_FLIGHT = ("unacknowledged: the client was closed before the server an
 MAX_TOLD = 1000
 # A connection lost again and again is logged at most once this often.
 WARN_SECONDS = 60.0
-# Bytes of a server's reason for a refusal a handle keeps (a server sends at most 1,000
-# characters; a hostile one up to 64 KiB, which escaping would take milliseconds over).
-MAX_REFUSAL_TEXT = 4000
 
 
 class Channel:
@@ -515,8 +512,9 @@ class Channel:
         for pending in dropped:
             pending.handle.resolve(None, why)
         if first_failure:
-            if refused:
-                log.warning("cannot use the thing server at %s:%d: %s", *self.address, reason)
+            if refused:  # one that takes the connection, then refuses, again and again
+                self._log_rarely("refused", "cannot use the thing server at %s:%d: %s",
+                                 *self.address, reason)
             else:
                 log.debug("no thing server at %s:%d (%s); will keep trying", *self.address, reason)
 
@@ -837,8 +835,8 @@ class Channel:
 
 def _refusal(message: Any) -> str:
     """A server's reason for refusing a frame, as its handle tells it: its first
-    MAX_REFUSAL_TEXT bytes (thing's own reasons are shorter), escaped for a terminal."""
-    text = bytes(message[:MAX_REFUSAL_TEXT]).decode("utf-8", "replace")
+    wire.MAX_REFUSAL_TEXT bytes (thing's own reasons are shorter), escaped for a terminal."""
+    text = bytes(message[: wire.MAX_REFUSAL_TEXT]).decode("utf-8", "replace")
     return f"refused by the server: {wire.printable(text)}"
 
 

@@ -165,7 +165,7 @@ def _handshake(sock: socket.socket, address: tuple[str, int], token: str | None,
             f"the server at {host}:{port} did not ask for the token, so it cannot prove "
             "it is yours (another user's, listening first?); not sending to it")
     if status != wire.HANDSHAKE_OK:
-        error = wire.printable(str(info.get("error", "?")))
+        error = wire.printable(str(info.get("error", "?"))[: wire.MAX_REFUSAL_TEXT])
         if token is None and "token" in error:
             raise HandshakeError(
                 f"the server at {host}:{port} requires a token: set THING_TOKEN "

@@ -917,6 +917,12 @@ def decode_control(prefix: bytes, raw_name: bytes) -> ControlMessage:
     return ControlMessage(operation, name, None if rank == NO_RANK else rank, value)
 
 
+# Characters of a server's reason for a refusal a client keeps (a server sends at most
+# 1,000; a hostile one up to 64 KiB, which escaping would take milliseconds over, and
+# which the job's log would repeat).
+MAX_REFUSAL_TEXT = 4000
+
+
 def printable(text: str) -> str:
     """``text`` with every character a terminal would act on shown escaped.
 
