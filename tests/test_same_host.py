@@ -213,10 +213,15 @@ def test_a_temp_directory_a_neighbour_made_first_is_passed_over(
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     spoil(tmp_path / f"thing-{os.getuid()}", "group-writable")
     assert unix_socket_path(4242) == tmp_path / "home" / ".thing" / "sockets" / "4242.sock"
+    # ~/.thing is made private too: a token file goes there, which refuses anything else.
+    assert stat.S_IMODE((tmp_path / "home" / ".thing").stat().st_mode) == 0o700
     with thing.Server(port=0) as server:
         assert server.unix_path is not None
         run_script("import thing; assert thing.catch(1, name='one').wait(30)", server.port)
         assert not server.capture("one").sender.address.startswith("127.0.0.1:")
+    with thing.Server(host="0.0.0.0", port=0) as exposed:  # so it writes its token file
+        assert exposed.token is not None
+        assert (tmp_path / "home" / ".thing" / f"token-{exposed.port}").exists()
 
 
 def test_a_job_with_no_temporary_or_home_directory_still_sends_over_tcp(

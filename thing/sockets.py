@@ -200,12 +200,22 @@ def private_directory(directory: Path) -> bool:
     another user could read or replace what is put there.
     """
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _make_private(directory)
         info = directory.lstat()
     except OSError:
         return False
     return (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
             and not info.st_mode & 0o077)
+
+
+def _make_private(directory: Path) -> None:
+    """Make ``directory`` and any of its parents missing, each 0700 (``mkdir(parents=True)``
+    makes the parents as the umask says: ``~/.thing`` 0755, where the token file may then
+    not be written)."""
+    if not os.path.lexists(directory.parent):
+        _make_private(directory.parent)
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700)
 
 
 # Hosts whose server's socket is named after the port alone: what a client on this
