@@ -575,6 +575,52 @@ def test_a_capture_sent_in_shared_memory_holds_its_room_until_answered(monkeypat
         server.close()
 
 
+def test_a_signal_handler_that_interrupts_a_catch_may_flush_close_or_wait_without_hanging(
+        server: thing.Server) -> None:
+    """A SIGTERM handler that flushes (or closes, waits, counts) and exits: landing while a
+    catch holds the send queue's lock, flush(2) hung the job for good, and wait(5) always
+    ran out, the sender needing that same lock. Each now returns at once; the process's end
+    still delivers what is queued."""
+    result = run_script(
+        """
+        import json, signal, time, numpy as np, thing
+        from thing import send_queue
+
+        client = thing.Client()
+        assert client.catch(0.0, name="warm").wait(10)
+        earlier = client.catch(1.0, name="earlier")  # queued for the tick
+        took = {}
+        def on_term(signum, frame):
+            for what, call in (("flush", lambda: client.flush(2.0)),
+                               ("wait", lambda: earlier.wait(5.0)),
+                               ("undelivered", lambda: client.undelivered),
+                               ("close", lambda: client.close(2.0))):
+                started = time.monotonic()
+                call()
+                took[what] = time.monotonic() - started
+        signal.signal(signal.SIGTERM, on_term)
+
+        take = send_queue.SendQueue.take
+        def take_then_signal(self, *args, **kwargs):  # where a real signal may land
+            room = take(self, *args, **kwargs)
+            send_queue.SendQueue.take = take
+            signal.raise_signal(signal.SIGTERM)  # the handler runs with the lock held
+            return room
+        send_queue.SendQueue.take = take_then_signal
+        interrupted = client.catch(2.0, name="interrupted")
+        assert earlier.wait(10) and interrupted.wait(10)  # the client is not closed
+        assert client.flush(10)
+        print(json.dumps(took))
+        """,
+        server.port,
+        timeout=60,
+    )
+    took = json.loads(result)
+    assert set(took) == {"flush", "wait", "undelivered", "close"}
+    assert all(seconds < 1 for seconds in took.values()), took
+    assert [server.get(name) for name in ("earlier", "interrupted")] == [1.0, 2.0]
+
+
 def test_wait_keeps_its_timeout_while_the_client_lock_is_held(server: thing.Server,
                                                               monkeypatch) -> None:
     """wait(timeout) asks the sender to hurry without waiting for the client's lock: a

@@ -281,9 +281,8 @@ class Channel:
         they come (someone waits for them).
 
         Waits a millisecond at most for the lock, which a thread catching or the sender
-        settling answers holds for microseconds: a handle may be waited on in a signal
-        handler that interrupted a catch holding it, and the sender then sees the flags
-        at its tick.
+        settling answers holds for microseconds (then the sender sees the flags at its
+        tick).
         """
         with working():  # a signal handler's catch must not wait for the lock held here
             if not self._mutex.acquire(timeout=HURRY_LOCK_SECONDS):

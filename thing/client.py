@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _core, config
 from .errors import UnsupportedType
-from .handles import CLOSED, REENTERED, SKIPPED, CaptureHandle, busy, working
+from .handles import CLOSED, REENTERED, SKIPPED, CaptureHandle, busy, interrupting, working
 from .names import CallSite, NameTracer
 
 if TYPE_CHECKING:
@@ -334,6 +334,8 @@ class Client:
     def undelivered(self) -> dict[str, int]:
         """Captures caught but not delivered, by reason; the REPL's summary() shows them too
         (``"refused"``, by the server, it counts itself)."""
+        if interrupting():  # the lock may be held by the work interrupted: a copy unlocked
+            return dict(self._queue.undelivered)
         with working(), self._lock:
             return dict(self._queue.undelivered)
 
@@ -348,7 +350,14 @@ class Client:
         return self.undelivered.get("queue full", 0)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued capture was sent and acknowledged; False on timeout."""
+        """Wait until every queued capture was sent and acknowledged; False on timeout.
+
+        From a signal handler or a finalizer that interrupted thing's own work on this
+        thread (a catch), it returns False at once: that work may hold what the sender
+        needs. The process's end delivers what is queued (``THING_FLUSH_TIMEOUT``).
+        """
+        if interrupting():
+            return False
         deadline = None if timeout is None else time.monotonic() + timeout
         with working():
             for channel in list(self._channels.values()):
@@ -365,8 +374,12 @@ class Client:
         """Flush for up to ``timeout`` seconds, then disconnect.
 
         Every capture still queued or unacknowledged then has its handle
-        resolved as not delivered (``error`` says the client was closed).
+        resolved as not delivered (``error`` says the client was closed). From a
+        signal handler or a finalizer that interrupted thing's own work on this
+        thread it does nothing: closing is left to the process's end.
         """
+        if interrupting():
+            return
         if timeout:
             self.flush(timeout)
         with working():

@@ -43,9 +43,11 @@ class CaptureHandle:
         False when it was refused or not sent (``error`` says why), or when
         ``timeout`` seconds passed first (then ``done`` is still False). A
         small capture still queued is sent at once rather than with the
-        sender's next tick (``wait(0)`` only looks).
+        sender's next tick (``wait(0)`` only looks). From a signal handler or
+        a finalizer that interrupted thing's own work on this thread it only
+        looks too: the sender may need what that work holds.
         """
-        if self._done or (timeout is not None and timeout <= 0):
+        if self._done or (timeout is not None and timeout <= 0) or interrupting():
             return self.id is not None
         waiter = _allocate_lock()
         waiter.acquire()
@@ -100,6 +102,14 @@ CLOSED = CaptureHandle(None, "not sent: the client is closed")
 # allocation, gets REENTERED instead of waiting for a lock its own thread holds, which
 # would hang the job for good.
 busy = threading.local()
+
+
+def interrupting() -> bool:
+    """True when this thread is in the middle of thing's own work (see :data:`busy`): a
+    call now comes from a signal handler or a finalizer that interrupted it, and must not
+    wait for anything that work may hold. (``catch`` inlines this test: it is on the
+    throttled path.)"""
+    return getattr(busy, "working", False)
 
 
 class _Working:
