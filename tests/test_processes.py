@@ -125,6 +125,29 @@ def test_children_forked_right_after_the_first_catch_all_deliver(server: thing.S
     assert sorted(server.get_all("child")) == list(range(80))
 
 
+def test_a_handle_from_before_a_fork_ends_in_the_child_and_the_parent_sends_it(
+        server: thing.Server) -> None:
+    """Every handle ends: the child's copy of one still queued at the fork says the parent
+    sends it (it waited for ever), and the parent does, once."""
+    out = run_script(
+        """
+        import os, sys, thing
+        handle = thing.catch(7.0, name="before")  # queued for the sender's tick
+        pid = os.fork()
+        if pid == 0:
+            stored = handle.wait()  # no timeout: it must end
+            print(stored, handle.done, handle.error, flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert handle.wait(10), handle.error
+        """,
+        server.port,
+        timeout=60,
+    )
+    assert out.startswith("False True not sent by this process: caught before it was forked")
+    assert server.get_all("before") == [7.0]
+
+
 def test_a_child_forked_while_another_thread_makes_the_client_catches_at_once(
         server: thing.Server) -> None:
     """A thread's first catch makes the default client (imports and all, under a lock); a
