@@ -575,6 +575,31 @@ def test_a_capture_sent_in_shared_memory_holds_its_room_until_answered(monkeypat
         server.close()
 
 
+def test_a_catch_at_interpreter_teardown_after_the_client_closed_says_closed(
+        server: thing.Server) -> None:
+    """A module global's finalizer catches as the interpreter tears down, after thing's own
+    exit handler closed the client: told the client is closed, quietly (it was an
+    ImportError of the import machinery, logged as a warning, without its name)."""
+    result = run_script(
+        """
+        import logging, sys, thing
+        logging.basicConfig(level=logging.WARNING)
+        out = sys.__stdout__
+
+        class Tracker:
+            def __del__(self):
+                out.write(repr(thing.catch(42.0, name="from_del")) + "\\n")
+
+        assert thing.catch(0, name="warm").wait(10)
+        tracker = Tracker()  # freed at teardown, after the exit handlers ran
+        """,
+        server.port,
+        full=True,
+    )
+    assert result.stdout == "<CaptureHandle None not sent: the client is closed>\n", result
+    assert result.stderr == ""
+
+
 def test_a_signal_handler_that_interrupts_a_catch_may_flush_close_or_wait_without_hanging(
         server: thing.Server) -> None:
     """A SIGTERM handler that flushes (or closes, waits, counts) and exits: landing while a

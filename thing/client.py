@@ -293,9 +293,9 @@ class Client:
                      obj: Any, reason: str) -> None:
         """Tell the server (no data) that a capture could not be sent, so that the REPL can
         say what went missing and why; see :meth:`Channel.tell_unsent`."""
-        from .wire import type_name  # loaded with the first channel
-
         try:
+            from .wire import type_name  # loaded with the first channel; not at teardown
+
             channel = self._channels.get(server)
             if channel is not None:
                 channel.tell_unsent(name, site, self._rank.read(), type_name(obj), reason)
@@ -304,6 +304,8 @@ class Client:
 
     def _open_channel(self, server: str | None) -> Channel | None:
         """The channel for ``server=``, opened if need be; None once the client is closed."""
+        if self._closed:  # before the imports: at interpreter teardown they fail
+            return None
         from .channel import Channel
         from .overrides import Overrides
         from .sockets import parse_address
