@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import thing
-from thing import wire
+from thing import shm, wire
 from thing._core import _transport, fallback
 from thing.buffers import ReceiveBuffers
 from thing.errors import ProtocolError
@@ -182,7 +182,7 @@ def read_like_the_server(data: bytes, limits: wire.Limits = LIMITS,
     settings = ReceiveSettings(
         store=store, buffers=ReceiveBuffers(0), limits=limits, token=None, idle_timeout=2.0,
         min_rate=float(1 << 20), deadlines=Deadlines(), header_budget=HeaderBudget(64 << 20),
-        max_mappings=16,
+        mappings=shm.Mappings(16),
         counts=ReceiveCounts(),
         closing=threading.Event(), warn=lambda address, message: None, steering="fuzz",
     )

@@ -148,11 +148,12 @@ def transport() -> str:
 
 
 def max_mappings() -> int:
-    """Shared-memory captures one client may keep mapped (``THING_MAX_MAPPINGS``, 1024).
+    """Shared-memory captures a server keeps mapped, for all its clients together
+    (``THING_MAX_MAPPINGS``, 1024).
 
     Each mapping takes one of the process's map entries (``vm.max_map_count``,
-    often 65530); beyond this, a client's shared-memory captures are copied
-    into ordinary memory as they arrive, as if they had come inline.
+    often 65530); beyond this, shared-memory captures are copied into ordinary
+    memory as they arrive, as if they had come inline.
     """
     return _env_int("THING_MAX_MAPPINGS", 1024)
 

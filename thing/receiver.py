@@ -25,8 +25,6 @@ import select
 import socket
 import threading
 import time
-import weakref
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,7 +138,7 @@ class ReceiveSettings:
     min_rate: float  # bytes per second a frame must average, after idle_timeout of grace
     deadlines: Deadlines
     header_budget: HeaderBudget
-    max_mappings: int  # shared-memory captures one client may keep mapped
+    mappings: shm.Mappings  # what the captures of every connection keep mapped
     counts: ReceiveCounts
     closing: threading.Event
     warn: Callable[[str, str], None]  # (peer address, message), rate-limited per peer
@@ -165,10 +163,6 @@ class Connection:
         self._send_lock = threading.Lock()
         self._mid_frame = False  # a frame's prefix arrived and it is not answered yet
         self.handshaken = False
-        # Shared-memory mappings this client's captures keep: adopted, minus those gone
-        # (a finalizer appends to _mappings_gone, from any thread; _adopt counts them off).
-        self._mappings_adopted = 0
-        self._mappings_gone: deque[None] = deque()
         self.since = time.monotonic()  # when it connected, then when its last frame ended
         # With a token: signs the acks and checks the frames (see auth.py).
         self.mac: auth.SessionMac | None = None
@@ -532,17 +526,10 @@ class Connection:
         return capture
 
     def _adopt(self, fd: int, specs: tuple[LeafSpec, ...]) -> list[np.ndarray]:
-        """A shared-memory payload's arrays: mapped, or copied out once this client keeps
-        ``max_mappings`` mappings (each costs one of the process's limited map entries)."""
+        """A shared-memory payload's arrays: mapped, or copied out once the server's
+        captures keep as many mappings as it allows (see :class:`shm.Mappings`)."""
         arrays, base = shm.adopt(fd, specs)
-        gone = self._mappings_gone
-        while gone:  # counted off here, so the deque holds only those gone since the last
-            gone.pop()
-            self._mappings_adopted -= 1
-        if self._mappings_adopted < self.settings.max_mappings:
-            self._mappings_adopted += 1
-            # A finalizer may run anywhere: it only appends, one atomic C call.
-            weakref.finalize(base, self._mappings_gone.append, None)
+        if self.settings.mappings.keep(base):
             return arrays
         copies = [self.settings.buffers.array(spec) for spec in specs]
         for copy, array in zip(copies, arrays):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import auth, config, receiver, wire
+from . import auth, config, receiver, shm, wire
 from .buffers import ReceiveBuffers
 from .captures import Capture, Sender, value_of
 from .errors import HandshakeError, ProtocolError
@@ -104,6 +104,7 @@ class Server:
         # store's cap, at least 16 MiB (a real header takes kilobytes).
         self._header_budget = receiver.HeaderBudget(max(self.store.max_bytes // 8, 16 << 20))
         self._counts = receiver.ReceiveCounts()
+        self._mappings = shm.Mappings(config.max_mappings())
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closing = threading.Event()
@@ -511,7 +512,7 @@ class Server:
         return receiver.ReceiveSettings(
             store=self.store, buffers=self.buffers, limits=self.limits, token=self.token,
             idle_timeout=self.idle_timeout, min_rate=self.min_rate, deadlines=self._deadlines,
-            header_budget=self._header_budget, max_mappings=config.max_mappings(),
+            header_budget=self._header_budget, mappings=self._mappings,
             counts=self._counts, closing=self._closing, warn=self._warn_about,
             steering=self.steering.instance,
         )

@@ -16,6 +16,9 @@ import fcntl
 import mmap
 import os
 import stat
+import threading
+import weakref
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,7 +84,11 @@ def adopt(fd: int, specs: Sequence[LeafSpec]) -> tuple[list[np.ndarray], np.ndar
             raise ProtocolError(
                 f"shared memory of {info.st_size} bytes does not match the header's {total}"
             )
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:  # a file on disk, say: only a memfd has seals
+            raise ProtocolError("the descriptor sent is not shared memory (a sealed "
+                                "memfd)") from None
         if seals & _SEALS != _SEALS:
             raise ProtocolError("shared memory is not sealed against changes")
         mapping = PrivateMapping(fd, total)
@@ -93,3 +100,30 @@ def adopt(fd: int, specs: Sequence[LeafSpec]) -> tuple[list[np.ndarray], np.ndar
         for spec, offset in zip(specs, offsets)
     ]
     return arrays, base
+
+
+class Mappings:
+    """The shared-memory mappings a server's kept captures hold, counted against one cap
+    for all its connections: each takes one of the process's limited map entries
+    (``vm.max_map_count``), and a capture outlives its connection, so a cap per
+    connection let one client that reconnects take them all."""
+
+    def __init__(self, most: int):
+        self.most = most
+        self.held = 0
+        self._gone: deque[None] = deque()  # one entry per mapping gone, not yet counted off
+        self._lock = threading.Lock()
+
+    def keep(self, base: np.ndarray) -> bool:
+        """Whether the mapping ``base`` views may be kept (counted until ``base`` is gone);
+        False at the cap: copy its arrays out instead."""
+        with self._lock:
+            while self._gone:  # counted off here: the deque holds only those gone since
+                self._gone.pop()
+                self.held -= 1
+            if self.held >= self.most:
+                return False
+            self.held += 1
+        # A finalizer may run anywhere, under this lock too: it only appends (one C call).
+        weakref.finalize(base, self._gone.append, None)
+        return True
