@@ -906,6 +906,27 @@ def test_a_server_refusing_every_other_handshake_at_length_is_logged_rarely_and_
     assert int(result.stdout) < 11 * wire.MAX_REFUSAL_TEXT
 
 
+def test_a_challenge_with_a_malformed_nonce_is_refused_by_the_job() -> None:
+    """A server's nonce of unpaired surrogates reached the job's MAC encoding."""
+    def speak(connection: socket.socket) -> None:
+        wire.recv_handshake(connection)
+        body = json.dumps({"nonce": "\ud800" * 40, "proof": "00"}).encode()
+        connection.sendall(wire.HANDSHAKE.pack(wire.MAGIC, wire.VERSION,
+                                               wire.HANDSHAKE_CHALLENGE, len(body)) + body)
+        connection.settimeout(10)
+        while connection.recv(1 << 16):
+            pass
+
+    port, _ = fake_server(speak)
+    error = run_script("""
+        import thing
+        handle = thing.catch(1.0, name="x")
+        assert not handle.wait(10)
+        print(handle.error)
+    """, port, THING_TRANSPORT="tcp", THING_TOKEN="ours").strip()
+    assert error.endswith("sent a malformed challenge"), error
+
+
 def test_a_handshake_dripped_a_byte_at_a_time_ends_at_the_connect_timeout(
         jobs: list[Job]) -> None:
     """A socket's timeout restarts with every byte: the handshake has a deadline of its own,

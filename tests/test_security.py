@@ -350,6 +350,27 @@ def test_missing_token_is_logged_by_the_server(monkeypatch: pytest.MonkeyPatch,
             client.close()
 
 
+@pytest.mark.parametrize("nonce", ["\ud800" * 40, "z" * 64, "\u00e9" * 40, 12345])
+def test_a_hello_with_a_malformed_nonce_is_refused_in_words(
+        nonce: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A nonce of unpaired surrogates reached the MAC's encoding: a traceback in the REPL
+    for every connection, unthrottled, and no word to the peer."""
+    with caplog.at_level(logging.INFO, logger="thing"), \
+            thing.Server(port=0, token="t0ken") as server:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as peer:
+                peer.sendall(wire.encode_handshake({"hostname": "x", "pid": 1, "nonce": nonce}))
+                status, refusal = recv_handshake(peer)
+                assert status == wire.HANDSHAKE_REFUSED and "nonce" in refusal["error"]
+        client = thing.Client("127.0.0.1", server.port, token="t0ken")
+        try:
+            assert client.catch(1, name="after").wait(10)
+        finally:
+            client.close()
+    assert not any(record.exc_info for record in caplog.records)
+    assert sum("nonce" in m for m in caplog.messages) == 1  # once a minute, per peer
+
+
 def test_raw_peer_with_a_wrong_proof_gets_a_refusal_and_its_frame_is_never_read(
         caplog: pytest.LogCaptureFixture) -> None:
     with thing.Server(port=0, token="t0ken") as server:

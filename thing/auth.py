@@ -22,6 +22,7 @@ import ipaddress
 import os
 import secrets
 import stat
+import string
 from pathlib import Path
 
 from .errors import ThingError
@@ -39,6 +40,13 @@ class TokenFileError(ThingError):
 def new_nonce() -> str:
     """A fresh challenge, hex-encoded."""
     return secrets.token_hex(NONCE_BYTES)
+
+
+def is_nonce(value: object) -> bool:
+    """Whether a peer's ``value`` is a nonce as thing makes them: 32 to 128 hex digits
+    (anything else, unpaired surrogates say, must not reach the MAC's encoding)."""
+    return (isinstance(value, str) and 32 <= len(value) <= 128 and value.isascii()
+            and all(c in string.hexdigits for c in value))
 
 
 def _hmac(token: str, role: bytes, client_nonce: str, server_nonce: str) -> hmac.HMAC:

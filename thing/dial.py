@@ -147,7 +147,9 @@ def _handshake(sock: socket.socket, address: tuple[str, int], token: str | None,
     status, info = wire.recv_handshake(sock, deadline)
     mac = None
     if status == wire.HANDSHAKE_CHALLENGE:
-        server_nonce = str(info.get("nonce", ""))
+        server_nonce = info.get("nonce")
+        if not auth.is_nonce(server_nonce):
+            raise HandshakeError(f"the server at {host}:{port} sent a malformed challenge")
         if token is not None and not auth.verify(
                 auth.server_proof(token, client_nonce, server_nonce), info.get("proof")):
             raise HandshakeError(

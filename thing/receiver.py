@@ -230,7 +230,7 @@ class Connection:
     def _authenticate(self, token: str, client_nonce: Any) -> dict[str, Any]:
         """Prove the token to the client, have it prove the token back, start signing.
         Returns the client's answer."""
-        if not (isinstance(client_nonce, str) and 32 <= len(client_nonce) <= 128):
+        if not auth.is_nonce(client_nonce):
             self._refuse("no client nonce: install the same thing version on both sides")
             raise HandshakeError("refused: a hello without a nonce")
         server_nonce = auth.new_nonce()
