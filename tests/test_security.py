@@ -862,10 +862,12 @@ def test_peers_dialling_at_once_all_come_in_while_slots_are_free() -> None:
                 sock.close()
 
 
-def test_a_full_server_closes_the_longest_silent_peer_for_each_newcomer() -> None:
+def test_a_full_server_closes_the_longest_silent_peer_for_each_newcomer(
+        caplog: pytest.LogCaptureFixture) -> None:
     """Peers that connect and say nothing give way, oldest first, and the count never
-    passes the cap: one cut off but not yet gone is not chosen a second time."""
-    with thing.Server(port=0) as server:
+    passes the cap: one cut off but not yet gone is not chosen a second time. Said once a
+    minute, not once a newcomer."""
+    with caplog.at_level(logging.INFO, logger="thing"), thing.Server(port=0) as server:
         server.max_connections = 4
         silent = []
         try:
@@ -878,6 +880,7 @@ def test_a_full_server_closes_the_longest_silent_peer_for_each_newcomer() -> Non
                  "the twenty oldest to be closed")
             assert not any(closed_by_peer(sock) for sock in silent[20:])
             assert server.refused == 0
+            assert sum("to make room" in m for m in caplog.messages) == 1
         finally:
             for sock in silent:
                 sock.close()
@@ -905,7 +908,7 @@ def test_idle_peers_holding_every_slot_do_not_keep_a_client_out(
 
 
 def test_clients_that_send_keep_their_slots_and_lose_nothing(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """With every slot held by clients that send, a newcomer is refused (it retries): it
     had cut off the one that sent longest ago, 20 ms before, whose captures in flight were
     lost, and which then cut off another on its way back."""
@@ -937,6 +940,7 @@ def test_clients_that_send_keep_their_slots_and_lose_nothing(
                 thread.join(10)
             assert all(handle.wait(10) for handle in handles), {h.error for h in handles}
             assert server.refused == 5
+            assert sum("already serving" in m for m in caplog.messages) == 1  # once a minute
         finally:
             for client in senders:
                 client.close()

@@ -108,7 +108,7 @@ class Server:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closing = threading.Event()
-        self._warned_at: dict[str, float] = {}
+        self._warned_at: dict[tuple[str, str], float] = {}
         self.refused = 0  # connections turned away at the cap
         self._recorders: list[Recorder] = []
         self._stats_worker: StatsWorker | None = None  # while running
@@ -450,16 +450,17 @@ class Server:
                     del self._connections[make_room.sock]
                 else:
                     self.refused += 1
-                    log.warning("refused %s: already serving %d clients, none idle for %g s "
-                                "(THING_MAX_CONNECTIONS)", name, self.max_connections,
-                                IDLE_SECONDS)
+                    self._warn_about(name, f"refused {name}: already serving "
+                                     f"{self.max_connections} clients, none idle for "
+                                     f"{IDLE_SECONDS:g} s (THING_MAX_CONNECTIONS)",
+                                     about="refused")
                     sock.close()
                     return
             self._connections[sock] = connection
         if make_room is not None:
-            log.info("closed the connection of %s, %s, to make room for %s",
-                     make_room.address, "idle the longest" if make_room.handshaken
-                     else "still in its handshake", name)
+            why = "idle the longest" if make_room.handshaken else "still in its handshake"
+            self._warn_about(name, f"closed the connection of {make_room.address}, {why}, to "
+                             f"make room for {name}", logging.INFO, about="room")
             _shutdown_reading(make_room.sock)
         self._spawn(self._serve_connection, f"thing-conn-{name}", connection)
 
@@ -496,7 +497,7 @@ class Server:
             log.debug("client %s went away: %s", address, exc)
         except OSError as exc:
             if not self._closing.is_set():
-                log.warning("connection to %s failed: %s", address, exc)
+                self._warn_about(address, f"connection to {address} failed: {exc}")
         except Exception:  # never let one client's bug take the server thread's siblings down
             log.exception("unexpected error serving %s; connection closed", address)
         finally:
@@ -517,15 +518,17 @@ class Server:
             steering=self.steering.instance,
         )
 
-    def _warn_about(self, address: str, message: str) -> None:
-        """Log a peer's misbehaviour; a peer retrying every second is logged once a minute."""
-        host = address.rpartition(":")[0] or address
+    def _warn_about(self, address: str, message: str, level: int = logging.WARNING,
+                    about: str = "") -> None:
+        """Log a peer's misbehaviour (or what befell it, ``about`` which); a peer retrying
+        every second is logged once a minute."""
+        key = (address.rpartition(":")[0] or address, about)
         now = time.monotonic()
-        if now - self._warned_at.get(host, -60.0) >= 60:
+        if now - self._warned_at.get(key, -60.0) >= 60:
             if len(self._warned_at) > 1000:
                 self._warned_at.clear()
-            self._warned_at[host] = now
-            log.warning(message)
+            self._warned_at[key] = now
+            log.log(level, message)
         else:
             log.debug(message)
 
