@@ -413,11 +413,17 @@ class Connection:
         except LimitExceeded as exc:
             self._discard(header_len, signature)
             return self._skip(payload_in_stream, signature, seq, None, exc)
-        raw_header = self._recv_header(header_len)
-        if signature is not None:
-            signature.update(raw_header)
-        known = self._headers.get(raw_header)
         with _Charge(settings.store, settings.header_budget) as charge:
+            if header_len > HEADER_CHUNK:  # held whole before it is parsed: budgeted first
+                try:
+                    charge.hold_header(header_len)
+                except LimitExceeded as exc:
+                    self._discard(header_len, signature)
+                    return self._skip(payload_in_stream, signature, seq, None, exc)
+            raw_header = self._recv_header(header_len)
+            if signature is not None:
+                signature.update(raw_header)
+            known = self._headers.get(raw_header)
             try:
                 if known is None:
                     known = self._validate_header(raw_header, payload_len, charge)
@@ -762,8 +768,11 @@ class _Charge:
         self.release_header()
 
     def hold_header(self, nbytes: int) -> None:
-        self.header_budget.take(nbytes)
-        self.header = nbytes
+        """Hold ``nbytes`` of the header budget for this frame's header, in all: first its
+        bytes as they come, then what parsing them makes."""
+        if nbytes > self.header:
+            self.header_budget.take(nbytes - self.header)
+            self.header = nbytes
 
     def release_header(self) -> None:
         """Give the header's share of the budget back (a refused frame's, before its discard)."""
