@@ -472,3 +472,20 @@ def test_describe_leaf_refuses_unsupported_dtypes() -> None:
     for array in unsupported:
         with pytest.raises(UnsupportedType):
             describe_leaf(array)
+
+
+@pytest.mark.parametrize("tail", ["", "\\u00e9", "\\ud83d\\ude00", "\u4e2d", "\U0001F600"])
+def test_a_headers_cost_bounds_what_parsing_it_holds_at_its_peak(tail: str) -> None:
+    """One escaped character past U+FFFF makes a whole string 4 bytes a character, and
+    parsing builds it with room to spare: charged 1 byte a byte, such a header held 8."""
+    import tracemalloc
+
+    raw = ('{"name":"x","value":"' + "a" * (1 << 20) + tail + '"}').encode()
+    tracemalloc.start()
+    try:
+        wire.load_json(raw, "header")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(raw) + peak <= wire.parsed_cost(raw)
+

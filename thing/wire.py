@@ -503,13 +503,13 @@ def header_cost(raw: bytes, limits: Limits) -> int:
 def parsed_cost(raw: bytes) -> int:
     """At most how many bytes parsing the JSON ``raw`` holds at its peak, text included.
 
-    Text held: the bytes, their decoded copy and the strings made, 3 bytes a byte
-    when ``raw`` is ASCII without escapes (3.0 measured); else 9, for a string
+    Text held: the bytes, their decoded copy and the strings made, 4 bytes a byte
+    when ``raw`` is ASCII without escapes (3.0 measured); else 10, for a string
     holds 4 bytes a character once one of them (an escape ``\\u``, or any
-    non-ASCII byte, may make it) is past U+FFFF, and parsing builds it, on top
-    of the rest, with room to spare (8.25 measured).
+    non-ASCII byte, may make it) is past U+FFFF, and parsing builds it with room
+    to spare (9.0 measured).
     """
-    text = 3 if raw.isascii() and b"\\u" not in raw else 9
+    text = 4 if raw.isascii() and b"\\u" not in raw else 10
     return (text * len(raw) + _OBJECT_COST * raw.count(b"{") + _LIST_COST * raw.count(b"[")
             + _ELEMENT_COST * (raw.count(b",") + 1))
 
