@@ -619,13 +619,15 @@ def _check_tree(node: Any, specs: tuple[LeafSpec, ...], used: list[bool], depth:
 _HASHABLE_TAGS = ("nan", "complex", "frozenset")
 
 
-def _check_set(tag: str, body: Any, depth: int) -> None:
+def _check_set(tag: str, body: Any, depth: int) -> list[Any]:
+    """Check a set's (or frozenset's) items; return them built, each once, bottom up:
+    building every inner frozenset again at each level above it made a deep one cost
+    its size times its depth (seconds for one header)."""
     if not isinstance(body, list):
         raise ProtocolError(f"{tag} node is not a list")
-    for item in body:
-        _check_hashable(item, depth - 1)
-    # Checked, so building the items (a complex, an inner frozenset) is cheap and safe.
-    _refuse_colliding_hashes(build_value(item, []) for item in body)
+    items = [_check_hashable(item, depth - 1) for item in body]
+    _refuse_colliding_hashes(items)
+    return items
 
 
 # Keys (or set items) with one hash at most. Strings hash randomly, but ints, floats and
@@ -641,12 +643,13 @@ def _refuse_colliding_hashes(keys: Any) -> None:
                             "(a peer slowing the receiver down)")
 
 
-def _check_hashable(node: Any, depth: int) -> None:
-    """A node that may be a set's item: a scalar, or a nan, complex or frozenset node."""
+def _check_hashable(node: Any, depth: int) -> Any:
+    """A node that may be a set's item: a scalar, or a nan, complex or frozenset node;
+    returns the item it makes."""
     if depth < 0:
         raise ProtocolError("value nested too deeply")
     if node is None or isinstance(node, (bool, str, int, float)):
-        return
+        return node
     tag = next(iter(node)) if isinstance(node, dict) and len(node) == 1 else None
     if tag == "nan":
         if not _is_nan_node(node):
@@ -657,10 +660,11 @@ def _check_hashable(node: Any, depth: int) -> None:
                 and all(type(part) is float or _is_nan_node(part) for part in parts)):
             raise ProtocolError("complex node is not a list of two floats")
     elif tag == "frozenset":
-        _check_set(tag, node[tag], depth)
+        return frozenset(_check_set(tag, node[tag], depth))
     else:
         raise ProtocolError("a set item is not None, a bool, int, float, complex, str or "
                             "frozenset")
+    return build_value(node, [])  # checked: a nan or a complex, made in a few steps
 
 
 def _is_nan_node(node: Any) -> bool:
