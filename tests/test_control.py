@@ -643,6 +643,22 @@ def test_what_a_statement_changes_is_what_working_everything_out_again_gives(ste
         assert shown(steered.settings()) == shown(table.settings(1))
 
 
+def test_a_requested_catch_never_waits_for_the_table_the_sender_is_working_out() -> None:
+    """Applying a replay (or a flood) holds the table's lock for milliseconds: a catch of
+    a requested name took its request under that lock, and waited (124 ms seen)."""
+    steered = overrides()
+    steered.apply(read(message("request", "loss", None, 3)))
+    throttle = thing._core.Throttles().of("loss")
+    with steered._write:  # the sender, in the middle of applying statements
+        answered = []
+        caller = threading.Thread(target=lambda: answered.append(
+            (steered.admit("loss", throttle, 1, None, False), steered.first_answer("loss"))))
+        caller.start()
+        caller.join(5)
+        assert answered == [((1, True), True)]
+    assert steered.requests() == {"loss": 2}
+
+
 def test_a_forked_worker_keeps_the_settings_no_longer_than_its_parent() -> None:
     """A child forked while its parent had no REPL keeps the parent's deadline, not a new
     one; and the settings end at a call once it passes, even in a worker whose every call
@@ -849,6 +865,32 @@ def test_a_flood_of_control_messages_is_hung_up_on(jobs: list[Job]) -> None:
     jobs.append(job := Job(port, THING_TRANSPORT="tcp", THING_RECONNECT_INTERVAL="0.2"))
     job.run("touch")
     poll(lambda: accepted[0] >= 2, what="the job to hang up and come back")
+
+
+def test_a_flood_of_costly_statements_is_hung_up_on_below_the_count(jobs: list[Job]) -> None:
+    """With the table full, a statement for every name costs the sender 100 times one for a
+    name: 2,000 a second, a fifth of the count allowed, took a job's sender most of the
+    GIL for as long as they came. What steering takes of its time is bounded too."""
+    from thing.overrides import MAX_RANKED_STATEMENTS, MAX_STEERED_NAMES
+
+    full = b"".join(message(kind, f"n{i}", None, 2) for i in range(MAX_STEERED_NAMES)
+                    for kind in ("every", "first"))
+    full += b"".join(message("every", f"n{r % MAX_STEERED_NAMES}", r + 1, 3)
+                     for r in range(MAX_RANKED_STATEMENTS))
+    costly = message("resume") * 200
+
+    def speak(connection: socket.socket) -> None:
+        welcome(connection)
+        connection.sendall(full)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # until the job hangs up
+            connection.sendall(costly)
+            time.sleep(0.1)
+
+    port, accepted = fake_server(speak)
+    jobs.append(job := Job(port, THING_TRANSPORT="tcp", THING_RECONNECT_INTERVAL="0.2"))
+    job.run("touch")
+    poll(lambda: accepted[0] >= 2, 20, "the job to hang up and come back")
 
 
 def test_a_refusal_of_any_length_reaches_its_handle_short_and_escaped() -> None:

@@ -31,6 +31,11 @@ BUFFER_BYTES = 128 << 10
 # setting it holds is a few thousand; a server sending more floods the job's sender
 # thread, whose Python would hold the GIL from the training loop: it is hung up on.
 MAX_CONTROL_PER_SECOND = 10_000
+# Seconds of the sender thread's CPU control messages may take in a second: a replay of
+# the largest table a job keeps (7,000 statements) takes 53 ms on the slowest machine
+# measured. Statements for every name cost more to apply than others, so a server may
+# flood with fewer than MAX_CONTROL_PER_SECOND; this bounds what it takes from training.
+MAX_CONTROL_SECONDS = 0.25
 
 Acknowledgement = tuple[int, int, int, bytes]  # (status, seq, capture id, message)
 
@@ -39,13 +44,14 @@ class Answers:
     """Reads one connection's acknowledgements and control messages, as they arrive.
 
     ``settle`` is given the acknowledgements read together, in order; ``steer``
-    each control message; ``ignored`` each control message outside the fixed
-    set (read whole and skipped: the stream stays in step).
+    the control messages read together, in order; ``ignored`` each control
+    message outside the fixed set (read whole and skipped: the stream stays in
+    step).
     """
 
     def __init__(self, sock: socket.socket, mac: auth.SessionMac | None,
                  settle: Callable[[list[Acknowledgement]], None],
-                 steer: Callable[[wire.ControlMessage], None],
+                 steer: Callable[[list[wire.ControlMessage]], None],
                  ignored: Callable[[wire.BadControl], None]):
         self.sock = sock
         self._mac = mac
@@ -58,6 +64,7 @@ class Answers:
         self.ended = False  # the server closed the connection, and all it sent was read
         self._control_window = 0.0  # monotonic second the count below is for
         self._control_count = 0
+        self._control_seconds = 0.0  # spent steering in that second
 
     def read_arrived(self) -> None:
         """Read every message that has arrived whole, waiting for none.
@@ -68,6 +75,7 @@ class Answers:
         """
         stream = self._stream
         acks: list[Acknowledgement] = []
+        steering: list[wire.ControlMessage] = []
         try:
             while True:
                 while len(acks) < SETTLE_BATCH:
@@ -83,7 +91,7 @@ class Answers:
                     if message is None:
                         break
                     if isinstance(message, wire.ControlMessage):
-                        self._steer(message)
+                        steering.append(message)
                     else:
                         acks.append(message)
                 if len(acks) >= SETTLE_BATCH:
@@ -99,6 +107,20 @@ class Answers:
         finally:  # those read whole count, even if the next is bad
             if acks:
                 self._settle(acks)
+            if steering:
+                self._apply(steering)
+
+    def _apply(self, steering: list[wire.ControlMessage]) -> None:
+        """Steer by the control messages read together; ProtocolError once steering took
+        more than MAX_CONTROL_SECONDS of this second (after applying them: the job hangs
+        up on a server whose messages cost more than a REPL's can)."""
+        # This thread's own time: not the time it waited for the GIL a training loop held.
+        started = time.thread_time()
+        self._steer(steering)
+        self._control_seconds += time.thread_time() - started
+        if self._control_seconds > MAX_CONTROL_SECONDS:
+            raise ProtocolError(f"control messages took more than {MAX_CONTROL_SECONDS:g} s "
+                                "of a second to apply: a flood, not a REPL steering")
 
     def read_until(self, done: Callable[[], bool], seconds: float) -> bool:
         """Read what arrives until ``done()`` is true (checked after each read) or ``seconds``
@@ -151,7 +173,7 @@ class Answers:
         """Count a control message; ProtocolError past MAX_CONTROL_PER_SECOND."""
         now = time.monotonic()
         if now - self._control_window >= 1.0:
-            self._control_window, self._control_count = now, 0
+            self._control_window, self._control_count, self._control_seconds = now, 0, 0.0
         self._control_count += 1
         if self._control_count > MAX_CONTROL_PER_SECOND:
             raise ProtocolError(f"more than {MAX_CONTROL_PER_SECOND} control messages a "

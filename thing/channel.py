@@ -435,10 +435,10 @@ class Channel:
                 self._fail_inflight("lost", "unacknowledged: the connection to the server was "
                                     "lost before it answered (it may or may not have stored it)")
 
-    def _steer(self, message: wire.ControlMessage) -> None:
-        if message.operation == "replayed":
+    def _steer(self, messages: list[wire.ControlMessage]) -> None:
+        if any(message.operation == "replayed" for message in messages):
             self._replayed = True
-        self.overrides.apply(message)
+        self.overrides.apply_all(messages)
 
     def _learn_settings(self, answers: Answers) -> None:
         """Before sending on a new connection, read what the server says is set (a

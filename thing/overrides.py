@@ -246,7 +246,9 @@ class Overrides:
         self._requests: dict[str, int] = {}
         # Names requested that have brought nothing yet: someone at the REPL waits for them.
         self._unanswered: set[str] = set()
-        self._write = threading.Lock()
+        self._write = threading.Lock()  # the sender's: the table and the settings
+        # What catch() takes, held for a few steps: the requests, never behind the table.
+        self._asked = threading.Lock()
         self._connections: set[int] = set()  # ids of channels connected now
         self._expires_at: Optional[float] = None  # monotonic; once no connection is left
         self._server: Optional[str] = None  # the instance of the server the table is from
@@ -294,7 +296,7 @@ class Overrides:
         return setting is not None and bool(setting.paused)
 
     def _take_request(self, name: str) -> bool:
-        with self._write:
+        with self._asked:
             left = self._requests.get(name, 0)
             if left <= 0:
                 return False
@@ -311,7 +313,7 @@ class Overrides:
         """Whether a requested capture of ``name`` is the first its request brings (once
         per request): that one is sent at once, the rest of a request for many calls with
         the sender's tick."""
-        with self._write:
+        with self._asked:
             if name not in self._unanswered:
                 return False
             self._unanswered.discard(name)
@@ -320,49 +322,70 @@ class Overrides:
     # -- connection threads -----------------------------------------------------------
 
     def apply(self, message: wire.ControlMessage) -> None:
-        """Apply one decoded control message (if control is on and it is for this rank)."""
+        """Apply one decoded control message (see :meth:`apply_all`)."""
+        self.apply_all([message])
+
+    def apply_all(self, messages: list[wire.ControlMessage]) -> None:
+        """Apply decoded control messages, in order (those for this rank, if control is
+        on), then work out once what they change: a flood of statements for every name
+        cost a job's sender the settings of every name at each (7 ms apiece)."""
         if not self.enabled:
             self._say_once("ignored", "thing: ignoring the REPL's control messages "
                            "(THING_CONTROL=0 or Client(control=False))")
             return
-        operation, name = message.operation, message.name
+        kept = True
         with self._write:
-            kept = True
-            if operation == "replayed":  # the channel reads it too (Channel._learn_settings)
-                self._table.end_replay()
-                return
-            if operation == "request":
-                assert name is not None  # wire.decode_control refuses a request for no name
-                if message.rank is not None and message.rank != self._rank():
-                    return  # for the calls of now, of another rank
-                if name in self._requests or len(self._requests) < MAX_STEERED_NAMES:
-                    self._requests = {**self._requests,
-                                      name: self._requests.get(name, 0) + message.value}
-                    self._unanswered.add(name)
+            changed: set[Optional[str]] = set()  # names whose setting may have changed
+            everything = False  # ... or every name's
+            for message in messages:
+                operation, name = message.operation, message.name
+                if operation == "replayed":  # the channel reads it too (_learn_settings)
+                    self._table.end_replay()
+                elif operation == "request":
+                    kept &= self._request(message)
                 else:
-                    kept = False
-            else:
-                if operation == "reset":  # and no call asked for is left waiting
-                    self._requests = {} if name is None else {
-                        key: left for key, left in self._requests.items() if key != name}
-                    self._unanswered.intersection_update(self._requests)
-                kept = self._table.apply(operation, name, message.rank, message.value)
-                if name is None or operation == "forget" or self._rank() != self._settings_rank:
-                    self._resolve_all()
-                else:  # only this name's setting can have changed
-                    settings = dict(self._settings)
+                    if operation == "reset":  # and no call asked for is left waiting
+                        self._forget_requests(name)
+                    kept &= self._table.apply(operation, name, message.rank, message.value)
+                    everything |= name is None or operation == "forget"
+                    changed.add(name)
+                log.debug("thing: the REPL set %s", message)
+            if everything or (changed and self._rank() != self._settings_rank):
+                self._resolve_all()
+            elif changed:  # only these names' settings can have changed
+                settings = dict(self._settings)
+                for name in changed:
                     setting = self._table.setting(name, self._settings_rank)
                     if setting is None:
                         settings.pop(name, None)
                     else:
                         settings[name] = setting
-                    self._settings = settings
+                self._settings = settings
             self._refresh()
         if not kept:
             self._say_once("full", f"thing: ignoring the REPL's settings for more than "
                                    f"{MAX_STEERED_NAMES} names, or {MAX_RANKED_STATEMENTS} "
                                    "for single ranks")
-        log.debug("thing: the REPL set %s", message)
+
+    def _request(self, message: wire.ControlMessage) -> bool:
+        """Count a request's calls; False if ignored (a new name beyond MAX_STEERED_NAMES)."""
+        name = message.name
+        assert name is not None  # wire.decode_control refuses a request for no name
+        if message.rank is not None and message.rank != self._rank():
+            return True  # for the calls of now, of another rank
+        with self._asked:
+            if name not in self._requests and len(self._requests) >= MAX_STEERED_NAMES:
+                return False
+            self._requests = {**self._requests, name: self._requests.get(name, 0) + message.value}
+            self._unanswered.add(name)
+        return True
+
+    def _forget_requests(self, name: Optional[str]) -> None:
+        """Drop what was requested of ``name`` (None: of every name)."""
+        with self._asked:
+            self._requests = {} if name is None else {
+                key: left for key, left in self._requests.items() if key != name}
+            self._unanswered.intersection_update(self._requests)
 
     def connected(self, channel: int, server: Optional[str]) -> None:
         """A connection to the server instance ``server`` is up: the settings stay (the server
@@ -395,7 +418,8 @@ class Overrides:
         """In a forked child: the parent's connections and requests are the parent's; the
         settings stay (the child's own connection replays the server's), for ``ttl`` at most
         if it never connects."""
-        self._write = threading.Lock()  # a sender thread of the parent may have held it
+        # A sender thread of the parent may have held them.
+        self._write, self._asked = threading.Lock(), threading.Lock()
         self._connections = set()
         self._requests, self._unanswered = {}, set()
         if self._expires_at is None and self._table.statements():  # the parent was connected
@@ -417,8 +441,8 @@ class Overrides:
 
     def _forget_all(self) -> None:
         self._table = SettingsTable()
-        self._settings, self._requests, self._expires_at = {}, {}, None
-        self._unanswered.clear()
+        self._settings, self._expires_at = {}, None
+        self._forget_requests(None)
         self._refresh()
 
     def _refresh(self) -> None:
