@@ -664,6 +664,36 @@ def test_help_lists_every_public_function_and_class(capsys, monkeypatch) -> None
             "throttles say (rank=: only that rank's).") in out
 
 
+def test_piped_reports_fit_80_columns_whatever_the_names(default: thing.Server) -> None:
+    """Piped (80 columns): help's signatures, the lines status() prints as captures come,
+    and the names ingest_all() bound, wide characters and 170-character names included,
+    all fit; each wrapped line counts a wide character as two columns."""
+    names = ["重み行列の名前がとても長い重み行列の名前がとても長い", "emoji" + "🔥" * 20,
+             "model.transformer.h.11.attn.c_attn.weight.very.long.name." * 3, "loss"]
+    result = run_script(f"""
+        import os, signal, threading, numpy as np, thing
+        server = thing.serve(port=0)
+        names = {names!r}
+        def send_then_stop():
+            client = thing.Client("127.0.0.1", server.port)
+            for name in names:
+                assert client.catch(np.ones((4, 5)), name=name).wait(10)
+            client.close()
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=send_then_stop).start()
+        thing.status()
+        print(repr(thing.ingest_all(namespace={{}})))
+        thing.describe(names[2])
+        thing.help()
+    """, full=True, COLUMNS="")
+    lines = result.stdout.splitlines()
+    assert all(thing.display.columns(line) <= 80 for line in lines), "\n".join(
+        line for line in lines if thing.display.columns(line) > 80)
+    out = result.stdout
+    assert "thing.catch(obj, name=None," in out and "Watching arrivals" in out
+    assert sum("model.transformer" in line for line in lines) >= 2  # shortened, still there
+
+
 def test_reports_load_no_rendering_library() -> None:
     out = run_script("""
         import sys, thing

@@ -20,7 +20,6 @@ from __future__ import annotations
 import html
 import shutil
 import sys
-import textwrap
 import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -73,6 +72,30 @@ def _start(text: str, width: int) -> str:
     return text
 
 
+def wrap(text: str, width: int, indent: str = "", first: str | None = None) -> list[str]:
+    """``text`` in lines of at most ``width`` columns (wide characters count two), broken
+    at spaces: the first line begins with ``first`` (default ``indent``), the others with
+    ``indent``. A word too long for a line of its own is shortened from its middle."""
+    first = indent if first is None else first
+    lines: list[str] = []
+    line, used = first, columns(first)
+    for word in text.split():
+        start = indent if lines or line != first else first
+        room = max(width - columns(start), 1)
+        word = elide(word, room, "middle")
+        wide = columns(word)
+        if line != start and used + 1 + wide > width:
+            lines.append(line)
+            line, used = indent + word, columns(indent) + wide
+        elif line == start:
+            line, used = start + word, columns(start) + wide
+        else:
+            line, used = line + " " + word, used + 1 + wide
+    if line.strip() or not lines:
+        lines.append(line)
+    return lines
+
+
 def _padded(text: str, width: int) -> str:
     return text + " " * (width - columns(text))
 
@@ -105,7 +128,7 @@ class Table:
     def text(self, width: int) -> str:
         """The table as lines of at most ``width`` characters (notes wrap; cells never do)."""
         shown, widths = self._fit(width)
-        lines = [self.title] if self.title else []
+        lines = wrap(self.title, width) if self.title else []
         if self.rows:
             def line(cells: list[str]) -> str:
                 return GAP.join(_padded(elide(cells[i], widths[i], self.columns[i].elide),
@@ -164,13 +187,11 @@ class Fields:
     def text(self, width: int) -> str:
         """``label  value`` lines, values wrapped at ``width`` under themselves."""
         labels = max((len(label) for label, _ in self.pairs), default=0)
-        lines = [self.title] if self.title else []
+        lines = wrap(self.title, width) if self.title else []
         indent = " " * (labels + len(GAP))
         for label, value in self.pairs:
-            lines += textwrap.wrap(value or "-", max(width, labels + 20), break_long_words=False,
-                                   break_on_hyphens=False,
-                                   initial_indent=label.ljust(labels) + GAP,
-                                   subsequent_indent=indent) or [label]
+            lines += wrap(value or "-", max(width, labels + 20), indent,
+                          label.ljust(labels) + GAP)
         return "\n".join(lines)
 
     def html(self) -> str:
@@ -190,12 +211,13 @@ class Entries:
     entries: list[tuple[str, str]]
 
     def text(self, width: int) -> str:
-        """Each heading, then its line wrapped and indented below it."""
-        lines = [self.title]
+        """Each heading (a long one broken at its spaces, after commas in a signature),
+        then its line wrapped and indented below it."""
+        width = max(width, 30)
+        lines = wrap(self.title, width)
         for heading, line in self.entries:
-            lines.append(heading)
-            lines += textwrap.wrap(line, max(width, 30), initial_indent="    ",
-                                   subsequent_indent="    ")
+            lines += wrap(heading, width, " " * 8, "")
+            lines += wrap(line, width, " " * 4)
         return "\n".join(lines) + "\n"
 
     def html(self) -> str:
@@ -221,8 +243,8 @@ class Report:
     def text(self, width: int | None = None) -> str:
         """Plain text, no ANSI codes, fitted to ``width`` (default: the terminal's)."""
         width = terminal_width() if width is None else width
-        return "\n\n".join((part if isinstance(part, str) else part.text(width)).rstrip("\n")
-                           for part in self.parts)
+        return "\n\n".join((_fitted(part, width) if isinstance(part, str)
+                            else part.text(width)).rstrip("\n") for part in self.parts)
 
     def html(self) -> str:
         """An escaped HTML fragment, for notebooks."""
@@ -251,8 +273,14 @@ def show(report: Report) -> None:
 
 
 def say(line: str) -> None:
-    """Print one line for the REPL's user now (flushed: live views print as things arrive)."""
-    print(line, flush=True)
+    """Print a line for the REPL's user now, wrapped to the terminal's width (flushed:
+    live views print as things arrive)."""
+    print(_fitted(line, terminal_width()), flush=True)
+
+
+def print_drawing(text: str) -> None:
+    """Print ``text`` as it was drawn, to its own width and with its colours (a plot)."""
+    print(text, flush=True)
 
 
 _said: set[str] = set()
@@ -278,6 +306,11 @@ def _esc(text: str) -> str:
 
 
 def _wrapped(lines: list[str], width: int) -> list[str]:
-    return [wrapped for line in lines
-            for wrapped in (textwrap.wrap(line, max(width, 20), break_long_words=False,
-                                          break_on_hyphens=False) or [""])]
+    return [wrapped for line in lines for wrapped in wrap(line, max(width, 20))]
+
+
+def _fitted(text: str, width: int) -> str:
+    """``text``'s lines as they are where they fit (a drawing keeps its spacing), else
+    wrapped."""
+    return "\n".join(line if columns(line) <= width else "\n".join(wrap(line, width))
+                     for line in text.split("\n"))

@@ -26,7 +26,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .captures import Capture
-from .display import Column, Report, Table, elide, in_notebook, say, terminal_width
+from .display import (
+    Column,
+    Report,
+    Table,
+    elide,
+    in_notebook,
+    print_drawing,
+    say,
+    terminal_width,
+)
 from .reports import bytes_text, clock, flag, rank_text, row_kind, sender_text
 from .store import HistoryStore
 
@@ -190,7 +199,7 @@ def redraw_until_interrupted(store: HistoryStore, draw: Callable[[], str],
     """Print ``draw()`` (text, ANSI colours allowed) and redraw it in place as captures
     arrive, until Ctrl+C; where the output cannot be redrawn (piped), print it once."""
     if not _terminal_can_redraw():
-        say(draw())
+        print_drawing(draw())
         say("(live plots redraw in a terminal or a notebook; this output is not one)")
         return
     from rich.live import Live
@@ -250,8 +259,11 @@ def _watch_as_lines(store: HistoryStore) -> None:
         fresh = [c for c in reversed(store.recent(min(received - seen, 100))) if c.id >= seen]
         if received - seen > len(fresh):
             say(f"... {received - seen - len(fresh)} more arrived")
+        width = terminal_width()
         for capture in fresh:
-            say("  ".join(cell for cell in _arrival_row(capture) if cell))
+            cells = _arrival_row(capture)
+            cells[2] = elide(cells[2], max(16, width // 3), "middle")  # the name, readable
+            say(elide("  ".join(cell for cell in cells if cell), width))
         seen = received
 
 

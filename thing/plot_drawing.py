@@ -34,7 +34,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import live
-from .display import elide, in_notebook, say, say_once, terminal_width
+from .display import elide, in_notebook, print_drawing, say, say_once, terminal_width
 from .errors import ThingError
 from .plot_series import AUTO, DEFAULT_BINS, Chart, Histogram, Names, chart, histogram
 from .reports import number
@@ -93,7 +93,7 @@ def show(drawing: Drawing) -> None:
 
         display(Picture(drawing))
     else:
-        say(text(drawing, *_terminal_size(), color=_colour_terminal()))
+        print_drawing(text(drawing, *_terminal_size(), color=_colour_terminal()))
 
 
 class Picture:
