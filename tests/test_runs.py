@@ -115,11 +115,20 @@ def test_rank_then_run_saving_every_run_and_describe(server: thing.Server, tmp_p
         server.describe("loss", run="nope")
 
 
+SPAWNS_A_WORKER = JOB + """
+    import subprocess, sys  # a spawned DataLoader worker, say: the rank is its parent
+    subprocess.run([sys.executable, "-c",
+                    "import thing; assert thing.catch(5.0, name='worker').wait(10)"], check=True)
+"""
+
+
 def test_a_torchrun_launch_with_the_default_rendezvous_id_is_one_run(
         server: thing.Server) -> None:
+    """Named after its master and its agent (the ranks' parent), it reaches what a rank
+    spawns too, whose parent is the rank: each rank's worker was a run of its own."""
     run_script(f"""
         import os, subprocess, sys, textwrap
-        ranks = [subprocess.Popen([sys.executable, "-c", textwrap.dedent({JOB!r})],
+        ranks = [subprocess.Popen([sys.executable, "-c", textwrap.dedent({SPAWNS_A_WORKER!r})],
                                   env=dict(os.environ, RANK=str(rank), WORLD_SIZE="2",
                                            BASE=str(10 * rank), TORCHELASTIC_RUN_ID="none",
                                            MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"))
@@ -128,6 +137,7 @@ def test_a_torchrun_launch_with_the_default_rendezvous_id_is_one_run(
     """, server.port, timeout=120)
     (run,) = server.runs()
     assert run.ranks == (0, 1) and run.id.startswith("torchrun-127.0.0.1:29500-")
+    assert run.captures == 8  # three losses and a worker's capture from each rank
 
 
 def test_forks_of_an_interactive_session_share_its_run(server: thing.Server) -> None:

@@ -3,8 +3,8 @@
 A run is named by, in order: ``THING_RUN`` (the user's name for it), torchrun's
 ``TORCHELASTIC_RUN_ID`` (shared by the ranks of one launch), or
 ``THING_RUN_ID``, which a job sets in its environment when it names a new run
-(a torchrun launch with the default rendezvous id "none" is named after its
-master's address and its agent):
+(and a rank of a torchrun launch with the default rendezvous id "none" when it
+names its launch after its master's address and its agent, the ranks' parent):
 at ``import thing`` in a script, so that the processes it spawns (``mp.spawn``
 ranks, spawned DataLoader workers, ``subprocess``) join its run. A forked
 child (a DataLoader worker) shares its parent's run in any case.
@@ -23,6 +23,7 @@ import time
 from typing import Optional
 
 INHERITED = "THING_RUN_ID"
+AGENT_RUN = "torchrun-"  # begins the name of a launch with the default rendezvous id
 MAX_RUN_NAME = 200
 
 _run: Optional[str] = None
@@ -42,7 +43,10 @@ def name_this_job() -> None:
     global _exported
     # A forked child (a notebook's DataLoader worker too) shares its parent's run.
     os.register_at_fork(before=current_run)
-    if _interactive() or _named_run() is not None:
+    named = _named_run()
+    # A name from torchrun's agent must be passed on: what a rank spawns has the rank
+    # for its parent. Any other name its children find where this process did.
+    if _interactive() or (named is not None and not named.startswith(AGENT_RUN)):
         return
     os.environ[INHERITED] = current_run()
     _exported = True
@@ -76,5 +80,8 @@ def _torchrun_launch() -> Optional[str]:
         return launch
     master = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if launch == "none" and all(master):
-        return f"torchrun-{master[0]}:{master[1]}-{os.getppid()}"
+        launched = f"{AGENT_RUN}{master[0]}:{master[1]}-"
+        # In a process a rank spawned, the rank's name (its parent is no agent).
+        inherited = os.environ.get(INHERITED, "")
+        return inherited if inherited.startswith(launched) else f"{launched}{os.getppid()}"
     return None
