@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+import thing
 from thing.arrays import LeafSpec
 from thing.captures import Sender
 from thing.errors import LimitExceeded
@@ -184,6 +185,22 @@ def test_large_ints_are_charged_their_digits() -> None:
     held = sum(sys.getsizeof(number) for capture in store.get_all("big")
                for number in capture.value)
     assert held <= store.held_bytes <= store.max_bytes
+
+
+def test_a_received_bytes_capture_is_charged_the_copy_its_value_is() -> None:
+    """A bytes object is made by copying the received array, which the capture keeps (what
+    save() writes): built, 100 MiB of bytes held 200 MiB, charged 100."""
+    with thing.Server(port=0) as server:
+        client = thing.Client("127.0.0.1", server.port)
+        try:
+            handle = client.catch(b"\x07" * 1_000_000, name="blob")
+            assert handle.wait(10), handle.error
+        finally:
+            client.close()
+        capture = server.capture(handle.id)
+        assert capture.value == b"\x07" * 1_000_000
+        assert server.store.charge(capture) >= 2_000_000
+        assert server.store.held_bytes >= 2_000_000
 
 
 def test_clear_one_name_or_everything() -> None:

@@ -43,6 +43,7 @@ RECORD_BYTES = 512
 # deque, its entries by identifier and by update (about 940 bytes, measured). Charged so
 # that a job that never repeats a name (f"step{i}/loss") is held to the cap too.
 NAME_BYTES = 1024
+COPIED_LEAVES = ("bytes", "jax")  # leaves whose value is a copy of the received array
 # Notices of captures that could not be sent, kept at most (each is a few hundred bytes).
 MAX_NOTICES = 1000
 
@@ -263,10 +264,14 @@ class HistoryStore:
         """What keeping a capture costs beyond its arrays: its record, the parts of its
         value that came in the header, its name and call site."""
         # A received value is walked as its header described it, arrays standing in as
-        # empty bytes (their bytes were reserved as payload).
+        # empty bytes (their bytes were reserved as payload). A bytes object or a jax
+        # array is made by copying its received array, which the capture keeps (save()
+        # writes it): once built, it holds its bytes twice.
+        copied = 0
         if isinstance(value, ReceivedValue):
+            copied = sum(spec.nbytes for spec in value.specs if spec.framework in COPIED_LEAVES)
             value = build_value(value.tree, [b""] * len(value.specs))
-        return RECORD_BYTES + _header_bytes(value) + sum(
+        return RECORD_BYTES + copied + _header_bytes(value) + sum(
             _header_bytes(text) for text in (name, call_site) if text is not None)
 
     def add(self, name: str | None, value: Any, leaves: tuple[LeafSpec, ...], nbytes: int,
