@@ -245,7 +245,7 @@ def test_descriptors_sent_with_a_refused_handshake_are_not_kept(
             with socket.socket(socket.AF_UNIX) as peer:
                 set_timeouts(peer, 10, 10)  # blocking, as thing's own readers need
                 peer.connect(str(server.unix_path))
-                peer.sendall(wire.encode_handshake({"hostname": "h", "pid": 1, "nonce": "n" * 40,
+                peer.sendall(wire.encode_handshake({"hostname": "h", "pid": 1, "nonce": "ab" * 20,
                                                     "shared_memory": True}))
                 status, _ = wire.recv_handshake(peer)
                 assert status == wire.HANDSHAKE_CHALLENGE
