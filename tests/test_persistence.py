@@ -199,6 +199,36 @@ def test_a_name_and_its_identifier_save_each_capture_once(tmp_path: Path) -> Non
     assert HistoryStore().restore(twice, [0] * len(twice)) == 3
 
 
+def mappings_of(directory: Path) -> int:
+    """How many of this process's memory mappings are of files in ``directory``."""
+    with open("/proc/self/maps") as maps:
+        return sum(str(directory) in line for line in maps)
+
+
+def test_small_segments_are_copied_out_and_large_ones_mapped(tmp_path: Path) -> None:
+    """Each mapping takes one of the process's map entries (often 65,530): a recording of a
+    slow job, a segment of one small capture every 10 s, did not load after a week."""
+    from thing.recording import segment_path
+    from thing.segments import write_segment
+
+    directory = tmp_path / "rec"
+    directory.mkdir()
+    for number in range(1, 301):
+        store = HistoryStore()
+        store.add("loss", float(number), (), 0, Sender("job:1", "host", 7), call=number)
+        write_segment(segment_path(directory, number), store.kept())
+    big = HistoryStore()
+    big.add("weight", np.arange(1 << 19, dtype=np.float32), (), 1 << 21, Sender("job:1"))
+    write_segment(segment_path(directory, 301), big.kept())
+    loaded = HistoryStore()
+    assert loaded.load(directory) == 301
+    assert mappings_of(directory) == 1  # the large segment's alone
+    assert [c.value for c in loaded.get_all("loss")] == list(range(1, 301))
+    assert np.array_equal(loaded.get("weight").value, np.arange(1 << 19, dtype=np.float32))
+    senders = {id(capture.sender) for capture in loaded.get_all("loss")}
+    assert len(senders) == 1  # one sender, however many headers name it
+
+
 def test_a_save_is_whole_or_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
     """One name given as a string is that name; a save that fails (an unknown name, a
     full disk mid-way, a directory with files of its own) leaves no file behind and

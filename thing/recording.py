@@ -132,7 +132,7 @@ def load(path: PathLike, store: HistoryStore) -> int:
     kept: list[Segment] = []
     held = left_out = 0
     dropped: dict[str, int] = {}
-    known_headers: KnownHeaders = {}
+    known_headers = KnownHeaders()
     for _, segment_file in reversed(segments_of(directory)):
         try:
             segment = read_segment(segment_file, known_headers)

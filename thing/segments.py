@@ -26,6 +26,7 @@ import os
 import re
 import stat
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -247,10 +248,29 @@ def _errno_in(message: str) -> int:
 # -- reading ------------------------------------------------------------------------
 
 
-# Validated capture headers a load keeps, by (header, sender): a recording of a training
-# loop repeats a few headers thousands of times, like a connection (see receiver.py).
-KnownHeaders = dict[tuple[str, str, str, int, Optional[str]], KnownHeader]
 MAX_KNOWN_HEADERS = 4096
+# A segment whose arrays take less than this is copied out of its file, not mapped: each
+# mapping takes one of the process's limited map entries (often 65,530), and a slow job
+# records a segment of one small capture every 10 s, 60,000 in a week.
+MAX_COPIED_BYTES = 1 << 20
+
+
+class KnownHeaders:
+    """What one load validated already, for the segments after it: capture headers, by
+    their text and sender (a recording of a training loop repeats a few thousands of
+    times, as a connection does: see receiver.py), and each sender once (a scalar's header
+    holds its value, so is seldom seen twice: each capture had a sender of its own, and
+    100,000 of them held 40% more than the store charged)."""
+
+    def __init__(self) -> None:
+        self.headers: dict[tuple[str, str, str, int, Optional[str]], KnownHeader] = {}
+        self.senders: dict[tuple[str, str, int, Optional[str]], Sender] = {}
+
+    def sender(self, address: str, hostname: str, pid: int, run: Optional[str]) -> Sender:
+        if len(self.senders) >= MAX_KNOWN_HEADERS:
+            self.senders.clear()
+        return self.senders.setdefault((address, hostname, pid, run),
+                                       Sender(address, hostname, pid, run=run))
 
 
 def read_segment(path: Path, known_headers: KnownHeaders | None = None) -> Segment:
@@ -259,11 +279,12 @@ def read_segment(path: Path, known_headers: KnownHeaders | None = None) -> Segme
     Nothing in the file is executed or trusted: every offset is checked against
     the file's size, every capture's header is validated as a frame's is. The
     arrays returned are the file itself, mapped copy-on-write (writing to one
-    changes this process's copy only). ``known_headers`` carries headers already
+    changes this process's copy only), or, for a segment of less than
+    MAX_COPIED_BYTES of arrays, a copy. ``known_headers`` carries what was
     validated from one segment to the next.
     """
     try:
-        return _read(path, {} if known_headers is None else known_headers)
+        return _read(path, KnownHeaders() if known_headers is None else known_headers)
     except ProtocolError as exc:  # a capture header, as the wire's validation found it
         raise BadRecording(f"{path}: {exc}") from None
 
@@ -287,7 +308,10 @@ def _read(path: Path, known_headers: KnownHeaders) -> Segment:
             raise BadRecording(f"{path} is truncated: {size} bytes")
         # Not mmap.mmap, which keeps a duplicate of the descriptor while it lives: a
         # recording of more segments than the process may open descriptors would not load.
-        mapped = map_file(descriptor, size)
+        try:
+            mapped = map_file(descriptor, size)
+        except OSError as exc:  # out of map entries, most likely (see MAX_COPIED_BYTES)
+            raise BadRecording(f"{path} could not be mapped: {exc}") from None
     finally:
         os.close(descriptor)
     (header_len,) = struct.unpack_from("<Q", mapped, 0)
@@ -305,6 +329,8 @@ def _read(path: Path, known_headers: KnownHeaders) -> Segment:
     records, dropped = _thing_metadata(metadata, path)
     data_start = 8 + header_len
     tensors = _tensor_table(document, size - data_start, path)
+    if size - data_start < MAX_COPIED_BYTES:  # the mapping goes with this function's end
+        mapped, data_start = bytearray(memoryview(mapped)[data_start:]), 0
     # As a server would take them, and as large as they are (this server may take less).
     limits = wire.Limits()
     limits = replace(limits, max_capture_bytes=max(limits.max_capture_bytes, size))
@@ -425,17 +451,17 @@ def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: Any,
                               sender[2])
     run = None if sender[3] is None else wire.printable(sender[3][:MAX_RUN_NAME])
     key = (raw_header, address, hostname, pid, run)
-    known = known_headers.get(key)
+    known = known_headers.headers.get(key)
     if known is None:
         raw = raw_header.encode("utf-8", "surrogatepass")
         wire.header_cost(raw, limits)
         known = KnownHeader.of(wire.decode_header(raw, payload_len, limits),
-                               Sender(address, hostname, pid, run=run))
+                               known_headers.sender(address, hostname, pid, run))
         if known.notice:
             raise BadRecording(f"{where}: a sender's notice, not a capture")
-        if len(known_headers) >= MAX_KNOWN_HEADERS:
-            known_headers.clear()
-        known_headers[key] = known
+        if len(known_headers.headers) >= MAX_KNOWN_HEADERS:
+            known_headers.headers.clear()
+        known_headers.headers[key] = known
     header = known.header
     wire.check_payload_length(header, payload_len)
     if len(header.leaves) != len(keys):
@@ -453,11 +479,17 @@ def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: Any,
     if known.sparse:
         wire.check_received(header.tree, arrays)
     value = wire.ReceivedValue(header.tree, header.leaves, arrays)
-    capture = Capture(-1, known.name, value, header.leaves, payload_len, known.sender,
-                      received_at=received_at, caught_at=caught_at, call_site=known.call_site,
+    # One object for each name and call site, however many headers carry them.
+    capture = Capture(-1, _one_of(known.name), value, header.leaves, payload_len, known.sender,
+                      received_at=received_at, caught_at=caught_at,
+                      call_site=_one_of(known.call_site),
                       consistent=record["consistent"], call=call, step=step,
                       requested=known.requested)
     return LoadedCapture(capture, known.record_bytes)
+
+
+def _one_of(text: Optional[str]) -> Optional[str]:
+    return None if text is None else sys.intern(text)
 
 
 def _is_time(value: Any) -> bool:
