@@ -107,7 +107,9 @@ def test_rank_then_run_saving_every_run_and_describe(server: thing.Server, tmp_p
     assert server.save(tmp_path / "all", names=["loss"]) == 9  # every run's
     old = server.store.get("loss", index=2, run="first-launch", rank=0)
     server.describe(old.id)
-    assert "6 kept; this is get('loss', index=5, run='first-launch')" in capsys.readouterr().out
+    described = capsys.readouterr().out
+    assert "6 kept; this is get('loss', index=5, run='first-launch')" in described
+    assert any(line.split() == ["run", "first-launch"] for line in described.splitlines())
     # describe() selects as get() does, run= too.
     server.describe("loss", index=2, rank=0, run="first-launch")
     assert "6 kept; this is get('loss', index=5, run='first-launch')" in capsys.readouterr().out

@@ -200,6 +200,8 @@ def capture_report(capture: Capture, store: HistoryStore | None = None) -> Repor
         arrived += f", {transit * 1000:.1f} ms after catch()"
     pairs.append(("arrived", arrived))
     pairs.append(("sender", sender_of(capture.sender)))
+    if capture.sender.run is not None:
+        pairs.append(("run", capture.sender.run))
     if capture.rank is not None:
         pairs.append(("rank", rank_text(capture)))
     pairs.append(("call site", capture.call_site or "-"))
