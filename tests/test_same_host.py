@@ -9,6 +9,7 @@ Descriptor and mapping counts are of this process, where the servers run:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import json
@@ -33,6 +34,7 @@ import pytest
 import thing
 import thing.sockets
 from thing import shm, wire
+from thing.errors import HandshakeError
 from thing.sockets import connect, connect_unix, is_this_host, listen_unix, unix_socket_path
 from thing.store import HistoryStore
 
@@ -634,6 +636,55 @@ def test_only_this_hosts_names_take_the_same_host_path() -> None:
         assert is_this_host(name), name
     for name in ("192.0.2.1", "2001:db8::1", "198.51.100.7", "thing.invalid"):
         assert not is_this_host(name), name
+
+
+def test_a_name_only_the_resolver_knows_for_this_host_makes_the_server_prove_it(
+        runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An alias of this machine (in /etc/hosts, say) is this machine: with this user's token
+    on file, a server on its TCP port that never asks for it is not sent to, as it is not
+    for "localhost". (The alias once took the job to TCP with no proof asked.)"""
+    from thing import auth, dial
+
+    impostor = socket.create_server(("127.0.0.1", 0))
+    port = impostor.getsockname()[1]
+    auth.write_token_file(port, "ours")
+    heard: list[dict] = []
+
+    def answer_without_a_challenge() -> None:
+        with impostor:
+            for _ in range(2):
+                connection, _ = impostor.accept()
+                with connection:
+                    heard.append(wire.recv_handshake(connection)[1])
+                    connection.sendall(wire.encode_handshake({"server": "thing"}))
+
+    thread = threading.Thread(target=answer_without_a_challenge, daemon=True)
+    thread.start()
+    real_resolve = thing.sockets.resolve
+    monkeypatch.setattr(dial, "resolve", lambda host, port: real_resolve(
+        "127.0.0.1" if host == "alias.invalid" else host, port))
+    for host in ("localhost", "alias.invalid"):
+        with pytest.raises(HandshakeError, match="did not ask for the token"):
+            dial.dial((host, port), None, is_this_host(host), False)
+    thread.join(10)
+    assert len(heard) == 2 and not any("pid" in hello for hello in heard)  # no identity
+
+
+def test_no_ipv6_on_this_machine_means_no_ipv6_address_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name with an IPv6 and an IPv4 address, on a machine without IPv6: judging the IPv6
+    one raised, and the job never connected (the IPv4 one would have done)."""
+    from thing.sockets import is_own_address
+
+    real_socket = socket.socket
+
+    def without_ipv6(family: int = socket.AF_INET, *args: Any) -> socket.socket:
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real_socket(family, *args)
+
+    monkeypatch.setattr(socket, "socket", without_ipv6)
+    assert not is_own_address("2001:db8::1") and is_own_address("127.0.0.1")
 
 
 def test_a_neighbour_on_the_tcp_port_hears_nothing_however_this_host_is_spelled(

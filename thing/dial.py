@@ -63,11 +63,11 @@ def dial(address: tuple[str, int], token: str | None, this_host: bool,
     except ValueError as exc:
         raise HandshakeError(str(exc)) from None
     token = configured or auth.client_token(address[1])
-    sock, transport = _open(address, this_host, token)
+    sock, transport, here = _open(address, this_host, token)
     try:
         # TCP to this host counts only if the server proves the token: also when TCP was
         # forced, if this user has one (forced without any, nothing could be proven).
-        tcp_here = transport == "tcp" and this_host and (
+        tcp_here = transport == "tcp" and here and (
             config.transport() != "tcp" or token is not None)
         mac, info = _handshake(sock, address, token, configured is not None or tcp_here,
                                transport == "shm", control)
@@ -82,8 +82,9 @@ def dial(address: tuple[str, int], token: str | None, this_host: bool,
 
 
 def _open(address: tuple[str, int], this_host: bool, token: str | None
-          ) -> tuple[socket.socket, str]:
-    """Connect by the fastest safe path: shared memory or a Unix socket, else TCP.
+          ) -> tuple[socket.socket, str, bool]:
+    """Connect by the fastest safe path: shared memory or a Unix socket, else TCP; return
+    the socket, the path, and whether the server is on this machine.
 
     On this host a Unix socket is used when it is there and its server is this
     user's (checked with SO_PEERCRED, as the server checks us). TCP to this host
@@ -93,16 +94,16 @@ def _open(address: tuple[str, int], this_host: bool, token: str | None
     """
     host, port = address
     wanted = config.transport()
-    if wanted == "tcp":
-        return connect(host, port, config.connect_timeout()), "tcp"
     if not this_host:
         # A name only the resolver knows may still be this machine (an alias, its own
         # address on the network): judged on the very addresses the connection will use.
         resolved = resolve(host, port)
         own = next((found[0] for _, found in resolved if is_own_address(found[0])), None)
         if own is None:
-            return connect_resolved(resolved, config.connect_timeout()), "tcp"
+            return connect_resolved(resolved, config.connect_timeout()), "tcp", False
         host = own
+    if wanted == "tcp":
+        return connect(host, port, config.connect_timeout()), "tcp", True
     path = unix_socket_path(port, host)
     why = (f"no thing server of this user listens on this machine's Unix socket {path}"
            if path is not None else "no directory only this user can use for thing's Unix "
@@ -117,7 +118,7 @@ def _open(address: tuple[str, int], this_host: bool, token: str | None
         else:
             owner = peer_uid(sock)
             if owner in (None, 0, os.getuid()):
-                return sock, "shm" if wanted == "shm" and shm.AVAILABLE else "unix"
+                return sock, "shm" if wanted == "shm" and shm.AVAILABLE else "unix", True
             sock.close()
             why = f"the Unix socket {path} is served by another user (uid {owner})"
     if token is None:
@@ -127,7 +128,7 @@ def _open(address: tuple[str, int], this_host: bool, token: str | None
             "THING_TRANSPORT=tcp to use TCP anyway (an ssh tunnel, a container), or "
             "give both sides a token (THING_TOKEN)"
         )
-    return connect(host, port, config.connect_timeout()), "tcp"
+    return connect(host, port, config.connect_timeout()), "tcp", True
 
 
 def _handshake(sock: socket.socket, address: tuple[str, int], token: str | None,

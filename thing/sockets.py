@@ -331,12 +331,12 @@ def is_own_address(address: str) -> bool:
     ip = ipaddress.ip_address(canonical_host(address))
     if ip.is_loopback or ip.is_unspecified:
         return True
-    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET,
-                       socket.SOCK_DGRAM) as probe:
-        try:
+    try:  # no IPv6 on this machine: no IPv6 address of its own
+        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET,
+                           socket.SOCK_DGRAM) as probe:
             probe.bind((str(ip), 0))
-        except OSError:
-            return False
+    except OSError:
+        return False
     return True
 
 
