@@ -148,6 +148,32 @@ def test_a_handle_from_before_a_fork_ends_in_the_child_and_the_parent_sends_it(
     assert server.get_all("before") == [7.0]
 
 
+def test_a_handle_the_sender_was_resolving_at_the_fork_ends_in_the_child(
+        server: thing.Server) -> None:
+    """The sender takes an answered capture out of its books, then tells its handle: a fork
+    in between left the child's copy in neither, pending for ever (1 child in a few
+    hundred). Widened here: the sender is made to take its time telling."""
+    out = run_script(
+        """
+        import os, time, thing, thing.channel as channel
+        tell = channel._resolve
+        channel._resolve = lambda finished: (time.sleep(0.5), tell(finished))
+        handle = thing.catch(7.0, name="answered")
+        handle._hurry()  # sent now; its answer read at once, then told slowly
+        time.sleep(0.25)
+        pid = os.fork()
+        if pid == 0:
+            print(handle.wait(), handle.error, flush=True)  # no timeout: it must end
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert handle.wait(10), handle.error
+        """,
+        server.port,
+        timeout=60,
+    )
+    assert out.startswith("False not sent by this process: caught before it was forked")
+
+
 def test_a_child_forked_while_another_thread_makes_the_client_catches_at_once(
         server: thing.Server) -> None:
     """A thread's first catch makes the default client (imports and all, under a lock); a

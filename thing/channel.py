@@ -73,9 +73,6 @@ HURRY_LOCK_SECONDS = 0.001
 
 _CLOSED_IN_FLIGHT = ("unacknowledged: the client was closed before the server answered "
                      "(it may or may not have stored it)")
-# What a forked child's copy of a handle made before the fork says (see let_go_in_child).
-_SENT_BY_THE_PARENT = ("not sent by this process: caught before it was forked, so the parent "
-                       "sends it (wait on the parent's handle)")
 
 # Notices of unsent captures a connection sends at most (one per name and reason).
 MAX_TOLD = 1000
@@ -310,17 +307,14 @@ class Channel:
     def let_go_in_child(self) -> None:
         """In a forked child: close its copies of the parent's sockets (closing, not shutting
         down, which would end the parent's connection), so that the parent's connection
-        ends when the parent does, not when the last of its children does. The child's
-        copies of the handles of captures queued or in flight are told that the parent
-        sends them: else one waited on here would never end. (Without the lock: the
-        parent's sender may have held it at the fork; only this thread runs here.)"""
+        ends when the parent does, not when the last of its children does. (The child's
+        copies of the handles of captures it leaves to the parent end by themselves: see
+        handles.SENT_BY_THE_PARENT.)"""
         self._closed, self._asleep = True, False
         for sock in (self._sock, self._wake_read, self._wake_write):
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.close()
-        for pending in [*self._queue, *self._inflight.values()]:
-            pending.handle.resolve(None, _SENT_BY_THE_PARENT)
 
     def stop(self) -> None:
         """Stop sending, and tell the queued captures the client closed; then :meth:`join`.

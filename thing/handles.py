@@ -8,6 +8,7 @@ no server, a full queue, a closed client, a lost connection, ...).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -19,6 +20,23 @@ from collections.abc import Callable
 _waiters: dict[CaptureHandle, threading.Lock] = {}
 _allocate_lock = threading.Lock
 
+# Counts the forks this process descends from. A handle pending in the process that made
+# it is the parent's to resolve: in a forked child, its copy ends at the first look, for
+# only the parent sends that capture (and the child's sender, gone, could have been in the
+# middle of resolving it).
+_generation = 0
+SENT_BY_THE_PARENT = ("not sent by this process: caught before it was forked, so the parent "
+                      "sends it (wait on the parent's handle)")
+
+
+def _forked() -> None:
+    global _generation
+    _generation += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
 
 class CaptureHandle:
     """What ``catch`` returns. ``wait()`` tells whether the server stored the capture.
@@ -26,7 +44,7 @@ class CaptureHandle:
     ``id`` is the server's id for it once acknowledged; ``error`` says why not.
     """
 
-    __slots__ = ("name", "id", "error", "_done", "_hurry")
+    __slots__ = ("name", "id", "error", "_done", "_hurry", "_born")
 
     def __init__(self, name: str | None, error: str | None = None,
                  hurry: Callable[[], None] | None = None):
@@ -36,6 +54,7 @@ class CaptureHandle:
         self._done = error is not None
         # Asks the sender to send now: small captures otherwise wait for company.
         self._hurry = hurry
+        self._born = _generation  # see SENT_BY_THE_PARENT
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the outcome; True once the capture is stored and visible in the REPL.
@@ -47,7 +66,7 @@ class CaptureHandle:
         a finalizer that interrupted thing's own work on this thread it only
         looks too: the sender may need what that work holds.
         """
-        if self._done or (timeout is not None and timeout <= 0) or interrupting():
+        if self.done or (timeout is not None and timeout <= 0) or interrupting():
             return self.id is not None
         waiter = _allocate_lock()
         waiter.acquire()
@@ -66,6 +85,8 @@ class CaptureHandle:
     @property
     def done(self) -> bool:
         """True once the capture was stored, refused or not sent."""
+        if not self._done and self._born != _generation:
+            self.resolve(None, SENT_BY_THE_PARENT)
         return self._done
 
     def resolve(self, capture_id: int | None, error: str | None = None) -> None:
