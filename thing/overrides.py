@@ -249,6 +249,7 @@ class Overrides:
         self._write = threading.Lock()  # the sender's: the table and the settings
         # What catch() takes, held for a few steps: the requests, never behind the table.
         self._asked = threading.Lock()
+        self._refreshing = threading.Lock()  # see _refresh
         self._connections: set[int] = set()  # ids of channels connected now
         self._expires_at: Optional[float] = None  # monotonic; once no connection is left
         self._server: Optional[str] = None  # the instance of the server the table is from
@@ -349,7 +350,6 @@ class Overrides:
                     kept &= self._table.apply(operation, name, message.rank, message.value)
                     everything |= name is None or operation == "forget"
                     changed.add(name)
-                log.debug("thing: the REPL set %s", message)
             if everything or (changed and self._rank() != self._settings_rank):
                 self._resolve_all()
             elif changed:  # only these names' settings can have changed
@@ -362,6 +362,8 @@ class Overrides:
                         settings[name] = setting
                 self._settings = settings
             self._refresh()
+        log.debug("thing: the REPL set %s%s", messages[0],
+                  f" and {len(messages) - 1} more" if len(messages) > 1 else "")
         if not kept:
             self._say_once("full", f"thing: ignoring the REPL's settings for more than "
                                    f"{MAX_STEERED_NAMES} names, or {MAX_RANKED_STATEMENTS} "
@@ -419,7 +421,8 @@ class Overrides:
         settings stay (the child's own connection replays the server's), for ``ttl`` at most
         if it never connects."""
         # A sender thread of the parent may have held them.
-        self._write, self._asked = threading.Lock(), threading.Lock()
+        self._write, self._asked, self._refreshing = (threading.Lock(), threading.Lock(),
+                                                      threading.Lock())
         self._connections = set()
         self._requests, self._unanswered = {}, set()
         if self._expires_at is None and self._table.statements():  # the parent was connected
@@ -447,11 +450,14 @@ class Overrides:
 
     def _refresh(self) -> None:
         # So does a statement for one rank while this process does not know its own: it
-        # may learn that it is that rank (see admit), which a call then finds out.
-        self.active = bool(self._settings or self._requests or (
-            self._settings_rank is None and self._table.for_a_rank))
-        if self._throttles is not None:
-            self._throttles.steered = self.active
+        # may learn that it is that rank (see admit), which a call then finds out. Under a
+        # lock of its own: a catch taking a request (under _asked) and the sender applying
+        # statements (under _write) must not write what each read before the other wrote.
+        with self._refreshing:
+            self.active = bool(self._settings or self._requests or (
+                self._settings_rank is None and self._table.for_a_rank))
+            if self._throttles is not None:
+                self._throttles.steered = self.active
 
     def _say_once(self, key: str, message: str) -> None:
         if key not in self._said:
