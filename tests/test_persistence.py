@@ -263,11 +263,18 @@ def test_a_save_is_whole_or_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(OSError, match="No space"):
         store.save(tmp_path / "full")
     assert written  # the first segment was written, then taken away with the rest
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "one"]
-    empty = tmp_path / "empty"
+    empty = tmp_path / "empty"  # a mount point, say: written inside, not renamed onto
     empty.mkdir()
+    written.clear()
+    with pytest.raises(OSError, match="No space"):
+        store.save(empty)
+    assert written and list(empty.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mine", "one"]
     monkeypatch.setattr(recording, "write_segment", real_write)
-    assert store.save(empty) == 2  # an empty directory is taken
+    (tmp_path / "link").symlink_to(empty)
+    assert store.save(tmp_path / "link") == 2  # an empty directory, through a link too
+    with pytest.raises(ThingError, match="is not an empty directory"):
+        store.save(empty)
     loaded = HistoryStore()
     assert loaded.load(empty) == 2 and sorted(loaded.names()) == ["big", "loss"]
 

@@ -70,28 +70,50 @@ def save(store: HistoryStore, path: PathLike, names: str | Iterable[str] | None 
     """Write the kept history (every capture, or those of ``names``: one name or several)
     as a new recording at ``path``; return how many captures were written.
 
-    The recording is written beside ``path`` under a temporary name and renamed into
-    place when whole: a save that fails leaves nothing behind, and one to a directory
-    that holds anything already (a recording, a recorder's, your files) is refused.
+    The recording is written under a temporary name (beside ``path``, or inside it when
+    it is an empty directory already: a mount point, say) and moved into place when
+    whole: a save that fails leaves nothing behind, and one to a directory that holds
+    anything already (a recording, a recorder's, your files) is refused.
     """
     captures = _captures_of(store, [names] if isinstance(names, str) else names)
     directory = Path(path)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    unfinished = directory.parent / f".{directory.name}.saving-{secrets.token_hex(6)}"
+    in_place = directory.is_dir()
+    if in_place:
+        _refuse_unless_empty(directory)
+    else:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+    unfinished = ((directory if in_place else directory.parent)
+                  / f".{directory.resolve().name}.saving-{secrets.token_hex(6)}")
     unfinished.mkdir()
+    moved: list[Path] = []
     try:
         _write(captures, unfinished)
-        try:
-            os.rename(unfinished, directory)  # replaces an empty directory, nothing else
-        except OSError as exc:
-            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
-                raise
-            raise ThingError(f"{directory} exists and is not an empty directory; save to a "
-                             "new one") from None
+        if in_place:
+            _refuse_unless_empty(directory, unfinished)  # a recorder may have come meanwhile
+            for entry in sorted(unfinished.iterdir()):
+                moved.append(directory / entry.name)
+                os.rename(entry, moved[-1])
+            unfinished.rmdir()
+        else:
+            try:
+                os.rename(unfinished, directory)  # replaces an empty directory, nothing else
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                    raise
+                raise ThingError(f"{directory} exists and is not an empty directory; save "
+                                 "to a new one") from None
     except BaseException:
         shutil.rmtree(unfinished, ignore_errors=True)
+        for written in moved:
+            shutil.rmtree(written) if written.is_dir() else written.unlink(missing_ok=True)
         raise
     return len(captures)
+
+
+def _refuse_unless_empty(directory: Path, ours: Path | None = None) -> None:
+    if any(entry != ours for entry in directory.iterdir()):
+        raise ThingError(f"{directory} exists and is not an empty directory; save to a new "
+                         "one")
 
 
 def _captures_of(store: HistoryStore, names: Iterable[str] | None) -> list[Capture]:
