@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import thing
 import thing.display
@@ -692,6 +694,19 @@ def test_piped_reports_fit_80_columns_whatever_the_names(default: thing.Server) 
     out = result.stdout
     assert "thing.catch(obj, name=None," in out and "Watching arrivals" in out
     assert sum("model.transformer" in line for line in lines) >= 2  # shortened, still there
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(st.sampled_from("ab.[]_重🔥é"), min_size=1, max_size=60), max_size=12),
+       st.integers(12, 90))
+def test_wrapped_text_fits_and_keeps_every_character(words: list[str], width: int) -> None:
+    """A name too long for a line is broken, never shortened: it may be typed again (a
+    describe() of a long name showed it cut in its middle)."""
+    lines = thing.display.wrap(" ".join(words), width, "    ", "> ")
+    assert all(thing.display.columns(line) <= width for line in lines), lines
+    assert lines[0].startswith("> ") and all(line.startswith("    ") for line in lines[1:])
+    kept = "".join(line[2:] if i == 0 else line[4:] for i, line in enumerate(lines))
+    assert kept.replace(" ", "") == "".join(words)
 
 
 def test_reports_load_no_rendering_library() -> None:

@@ -75,23 +75,27 @@ def _start(text: str, width: int) -> str:
 def wrap(text: str, width: int, indent: str = "", first: str | None = None) -> list[str]:
     """``text`` in lines of at most ``width`` columns (wide characters count two), broken
     at spaces: the first line begins with ``first`` (default ``indent``), the others with
-    ``indent``. A word too long for a line of its own is shortened from its middle."""
-    first = indent if first is None else first
+    ``indent``. A word too long for a line of its own is broken across lines, with no
+    character dropped (a name to type again, a path)."""
+    line = indent if first is None else first
+    used, fresh = columns(line), True  # fresh: nothing on the line yet but its indent
     lines: list[str] = []
-    line, used = first, columns(first)
     for word in text.split():
-        start = indent if lines or line != first else first
-        room = max(width - columns(start), 1)
-        word = elide(word, room, "middle")
         wide = columns(word)
-        if line != start and used + 1 + wide > width:
+        if not fresh and used + 1 + wide > width:
             lines.append(line)
-            line, used = indent + word, columns(indent) + wide
-        elif line == start:
-            line, used = start + word, columns(start) + wide
-        else:
-            line, used = line + " " + word, used + 1 + wide
-    if line.strip() or not lines:
+            line, used, fresh = indent, columns(indent), True
+        if not fresh:
+            line, used = f"{line} {word}", used + 1 + wide
+            continue
+        while wide > width - used:  # too long for the line: its start fills it
+            piece = _start(word, max(width - used, 1)) or word[0]
+            lines.append(line + piece)
+            word = word[len(piece):]
+            wide = columns(word)
+            line, used = indent, columns(indent)
+        line, used, fresh = line + word, used + wide, False
+    if not fresh or not lines:
         lines.append(line)
     return lines
 
