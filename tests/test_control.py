@@ -849,6 +849,28 @@ def welcome(connection: socket.socket) -> None:
         {"server": "thing", "notices": True, "control": True}))
 
 
+def read_until_hung_up(connection: socket.socket) -> None:
+    """Read what the job sends until it hangs up (10 s at most between reads)."""
+    connection.settimeout(10)
+    while connection.recv(1 << 16):
+        pass
+
+
+def handshake_reply(status: int, body: bytes) -> bytes:
+    """A server's handshake message of ``status`` with ``body``, built by hand."""
+    return wire.HANDSHAKE.pack(wire.MAGIC, wire.VERSION, status, len(body)) + body
+
+
+def error_of_one_catch(port: int, **env: str) -> str:
+    """What the handle of one catch says, in a job of its own that sends to ``port`` by TCP."""
+    return run_script("""
+        import thing
+        handle = thing.catch(1.0, name="x")
+        assert not handle.wait(10)
+        print(handle.error)
+    """, port, THING_TRANSPORT="tcp", **env).strip()
+
+
 def test_a_flood_of_control_messages_is_hung_up_on(jobs: list[Job]) -> None:
     """A REPL's replay is a few thousand messages; a server sending far more a second would
     keep the job's sender reading, in Python, under the training loop's GIL."""
@@ -857,9 +879,7 @@ def test_a_flood_of_control_messages_is_hung_up_on(jobs: list[Job]) -> None:
     def speak(connection: socket.socket) -> None:
         welcome(connection)
         connection.sendall(flood)
-        connection.settimeout(10)
-        while connection.recv(1 << 16):  # until the job hangs up
-            pass
+        read_until_hung_up(connection)
 
     port, accepted = fake_server(speak)
     jobs.append(job := Job(port, THING_TRANSPORT="tcp", THING_RECONNECT_INTERVAL="0.2"))
@@ -900,17 +920,10 @@ def test_a_refusal_of_any_length_reaches_its_handle_short_and_escaped() -> None:
         welcome(connection)
         StreamReader(connection).read(wire.FRAME_PREFIX.size)  # a frame begins: answer it
         connection.sendall(wire.encode_ack(wire.SEQ_OLDEST_UNANSWERED, -1, "\x01" * 65_000))
-        connection.settimeout(10)
-        while connection.recv(1 << 16):
-            pass
+        read_until_hung_up(connection)
 
     port, _ = fake_server(speak)
-    error = run_script("""
-        import thing
-        handle = thing.catch(1.0, name="x")
-        assert not handle.wait(10)
-        print(handle.error)
-    """, port, THING_TRANSPORT="tcp").strip()
+    error = error_of_one_catch(port)
     assert error.startswith("refused by the server: \\x01\\x01")
     assert len(error) <= len("refused by the server: ") + 4 * wire.MAX_REFUSAL_TEXT
 
@@ -925,8 +938,7 @@ def test_a_server_refusing_every_other_handshake_at_length_is_logged_rarely_and_
         if next(turns) % 2:
             body = json.dumps({"error": "go away " + "\U000e0001" * 16_000},  # 64 KB
                               ensure_ascii=False).encode()
-            connection.sendall(wire.HANDSHAKE.pack(wire.MAGIC, wire.VERSION,
-                                                   wire.HANDSHAKE_REFUSED, len(body)) + body)
+            connection.sendall(handshake_reply(wire.HANDSHAKE_REFUSED, body))
         else:
             connection.sendall(wire.encode_handshake({"server": "thing"}))
 
@@ -953,19 +965,11 @@ def test_a_challenge_with_a_malformed_nonce_is_refused_by_the_job() -> None:
     def speak(connection: socket.socket) -> None:
         wire.recv_handshake(connection)
         body = json.dumps({"nonce": "\ud800" * 40, "proof": "00"}).encode()
-        connection.sendall(wire.HANDSHAKE.pack(wire.MAGIC, wire.VERSION,
-                                               wire.HANDSHAKE_CHALLENGE, len(body)) + body)
-        connection.settimeout(10)
-        while connection.recv(1 << 16):
-            pass
+        connection.sendall(handshake_reply(wire.HANDSHAKE_CHALLENGE, body))
+        read_until_hung_up(connection)
 
     port, _ = fake_server(speak)
-    error = run_script("""
-        import thing
-        handle = thing.catch(1.0, name="x")
-        assert not handle.wait(10)
-        print(handle.error)
-    """, port, THING_TRANSPORT="tcp", THING_TOKEN="ours").strip()
+    error = error_of_one_catch(port, THING_TOKEN="ours")
     assert error.endswith("sent a malformed challenge"), error
 
 
@@ -995,10 +999,5 @@ def test_a_handshake_that_breaks_the_protocol_is_said_to_each_handle() -> None:
                                                wire.MAX_HANDSHAKE_JSON + 1))
 
     port, _ = fake_server(speak)
-    error = run_script("""
-        import thing
-        handle = thing.catch(1.0, name="x")
-        assert not handle.wait(10)
-        print(handle.error)
-    """, port, THING_TRANSPORT="tcp").strip()
+    error = error_of_one_catch(port)
     assert error.startswith("not sent: handshake of 65537 bytes exceeds"), error
