@@ -709,6 +709,16 @@ def test_wrapped_text_fits_and_keeps_every_character(words: list[str], width: in
     assert kept.replace(" ", "") == "".join(words)
 
 
+def test_wrapping_narrower_than_its_indent_keeps_going() -> None:
+    """A width below the indent, or below a wide character, still gives every character
+    once, a line at least for each, and no line of indent alone (it raised IndexError)."""
+    wrap = thing.display.wrap
+    assert wrap("x", 3, "    ") == ["    x"]
+    assert wrap("abc de", 2, "    ") == ["    a", "    b", "    c", "    d", "    e"]
+    assert wrap("日本語", 1) == ["日", "本", "語"]
+    assert wrap("", 10, "  ", "> ") == ["> "]
+
+
 def test_reports_load_no_rendering_library() -> None:
     out = run_script("""
         import sys, thing

@@ -88,13 +88,14 @@ def wrap(text: str, width: int, indent: str = "", first: str | None = None) -> l
         if not fresh:
             line, used = f"{line} {word}", used + 1 + wide
             continue
-        while wide > width - used:  # too long for the line: its start fills it
+        while wide > max(width - used, 1):  # too long for the line: its start fills it
             piece = _start(word, max(width - used, 1)) or word[0]
             lines.append(line + piece)
             word = word[len(piece):]
             wide = columns(word)
             line, used = indent, columns(indent)
-        line, used, fresh = line + word, used + wide, False
+        if word:
+            line, used, fresh = line + word, used + wide, False
     if not fresh or not lines:
         lines.append(line)
     return lines

@@ -9,6 +9,7 @@ killed mid-write was appending to it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -22,7 +23,7 @@ from typing import Union
 
 from .captures import Capture, Sender
 from .errors import BadRecording, ThingError
-from .segments import KnownHeaders, Segment, read_segment, write_segment
+from .segments import STAGING, KnownHeaders, Segment, read_segment, write_segment
 from .store import ALL_RUNS, HistoryStore
 
 log = logging.getLogger("thing")
@@ -52,8 +53,9 @@ def segments_of(directory: Path) -> list[tuple[int, Path]]:
 
 
 def lock_for_writing(directory: Path) -> int:
-    """Hold ``directory``'s writer lock, which a recorder holds while it runs (released
-    when the descriptor closes); ThingError if another holds it."""
+    """Hold ``directory``'s writer lock, which a recorder holds while it runs and a save
+    into an existing directory while it saves (released when the descriptor closes);
+    ThingError if another holds it."""
     # O_NOFOLLOW: the lock is the recording's own file, never a link to elsewhere.
     descriptor = os.open(directory / WRITER_LOCK,
                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -61,7 +63,7 @@ def lock_for_writing(directory: Path) -> int:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(descriptor)
-        raise ThingError(f"a recorder is writing to {directory}; use another "
+        raise ThingError(f"a recorder (or a save) is writing to {directory}; use another "
                          "directory") from None
     return descriptor
 
@@ -70,50 +72,57 @@ def save(store: HistoryStore, path: PathLike, names: str | Iterable[str] | None 
     """Write the kept history (every capture, or those of ``names``: one name or several)
     as a new recording at ``path``; return how many captures were written.
 
-    The recording is written under a temporary name (beside ``path``, or inside it when
-    it is an empty directory already: a mount point, say) and moved into place when
-    whole: a save that fails leaves nothing behind, and one to a directory that holds
-    anything already (a recording, a recorder's, your files) is refused.
+    A new directory is written under a temporary name beside it and renamed into
+    place when whole. An empty directory that exists already (a mount point, say)
+    is written into, under its writer lock, segment by segment. A save that fails
+    leaves nothing it wrote behind, and one to a directory that holds anything
+    already (a recording, a recorder's, your files) is refused.
     """
     captures = _captures_of(store, [names] if isinstance(names, str) else names)
     directory = Path(path)
-    in_place = directory.is_dir()
-    if in_place:
-        _refuse_unless_empty(directory)
-    else:
-        directory.parent.mkdir(parents=True, exist_ok=True)
-    unfinished = ((directory if in_place else directory.parent)
-                  / f".{directory.resolve().name}.saving-{secrets.token_hex(6)}")
+    if directory.is_dir():
+        _save_into(captures, directory)
+        return len(captures)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    unfinished = directory.parent / f".{directory.name}.saving-{secrets.token_hex(6)}"
     unfinished.mkdir()
-    moved: list[Path] = []
     try:
         _write(captures, unfinished)
-        if in_place:
-            _refuse_unless_empty(directory, unfinished)  # a recorder may have come meanwhile
-            for entry in sorted(unfinished.iterdir()):
-                moved.append(directory / entry.name)
-                os.rename(entry, moved[-1])
-            unfinished.rmdir()
-        else:
-            try:
-                os.rename(unfinished, directory)  # replaces an empty directory, nothing else
-            except OSError as exc:
-                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
-                    raise
-                raise ThingError(f"{directory} exists and is not an empty directory; save "
-                                 "to a new one") from None
+        try:
+            os.rename(unfinished, directory)  # replaces an empty directory, nothing else
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                raise
+            raise ThingError(f"{directory} exists and is not an empty directory; save to a "
+                             "new one") from None
     except BaseException:
         shutil.rmtree(unfinished, ignore_errors=True)
-        for written in moved:
-            shutil.rmtree(written) if written.is_dir() else written.unlink(missing_ok=True)
         raise
     return len(captures)
 
 
-def _refuse_unless_empty(directory: Path, ours: Path | None = None) -> None:
-    if any(entry != ours for entry in directory.iterdir()):
-        raise ThingError(f"{directory} exists and is not an empty directory; save to a new "
-                         "one")
+def _save_into(captures: list[Capture], directory: Path) -> None:
+    """Write ``captures`` into the empty ``directory``, holding its writer lock (a recorder
+    would write its first segment over ours); on failure, take back what was written."""
+    made_lock = not os.path.lexists(directory / WRITER_LOCK)
+    lock = lock_for_writing(directory)
+    written: list[Path] = []
+    try:
+        # A new file system's lost+found is no one's recording.
+        if any(entry.name not in (WRITER_LOCK, "lost+found") for entry in directory.iterdir()):
+            raise ThingError(f"{directory} exists and is not an empty directory; save to a "
+                             "new one")
+        _write(captures, directory, written)
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # empty unless another writer is at work there
+            (directory / STAGING).rmdir()
+        if made_lock:
+            (directory / WRITER_LOCK).unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(lock)
 
 
 def _captures_of(store: HistoryStore, names: Iterable[str] | None) -> list[Capture]:
@@ -127,7 +136,10 @@ def _captures_of(store: HistoryStore, names: Iterable[str] | None) -> list[Captu
     return sorted(chosen.values(), key=lambda c: c.received_at)
 
 
-def _write(captures: list[Capture], directory: Path) -> None:
+def _write(captures: list[Capture], directory: Path, written: list[Path] | None = None
+           ) -> None:
+    """Write ``captures`` as segments 1, 2, ... of ``directory``, each path added to
+    ``written`` once its file is whole."""
     number, start = 0, 0
     while start < len(captures) or not number:  # an empty history is an empty segment
         held, stop = 0, start
@@ -135,7 +147,10 @@ def _write(captures: list[Capture], directory: Path) -> None:
             held += captures[stop].nbytes
             stop += 1
         number += 1
-        start += write_segment(segment_path(directory, number), captures[start:stop])
+        path = segment_path(directory, number)
+        start += write_segment(path, captures[start:stop])
+        if written is not None:
+            written.append(path)
 
 
 def load(path: PathLike, store: HistoryStore) -> int:
