@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import thing
+import thing.display
 
 from .conftest import run_script, script_env
 
@@ -119,8 +120,10 @@ def test_demo_with_torch_when_installed() -> None:
         import sys
         from thing.cli import main
         sys.exit(main(["demo", "--steps", "20"]))
-    """, timeout=120, COLUMNS="160")
+    """, timeout=120, COLUMNS="80")
     assert "training a small torch model" in out
+    # Piped at 80 columns, every line fits, the demo's own sentences too.
+    assert all(thing.display.columns(line) <= 80 for line in out.splitlines()), out
     summary = out.partition(">>> thing.summary()")[2].partition(">>> thing.describe")[0]
     rows = {line.split()[0]: line.split() for line in summary.splitlines() if line.strip()}
     assert rows["loss"][1:4] == ["()", "float32", "torch"]

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .display import say
+
 if TYPE_CHECKING:
     from .recorder import SegmentWritten
 
@@ -187,8 +189,8 @@ def record_headless(directory: str, port: int | None = None, host: str | None = 
         return 1
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print(f"thing is recording what arrives at {server.host}:{server.port} into {directory}; "
-          "Ctrl+C stops.", flush=True)
+    say(f"thing is recording what arrives at {server.host}:{server.port} into {directory}; "
+        "Ctrl+C stops.")
     try:
         while not stop.wait(1.0):
             pass
@@ -197,15 +199,14 @@ def record_headless(directory: str, port: int | None = None, host: str | None = 
     finally:
         server.close()  # writes the open segment
     dropped = ", ".join(f"{count} {reason}" for reason, count in recorder.dropped.items())
-    print(f"thing recorded {recorder.written} captures in {recorder.segments} segments"
-          + (f"; not recorded: {dropped}" if dropped else "") + ".", flush=True)
+    say(f"thing recorded {recorder.written} captures in {recorder.segments} segments"
+        + (f"; not recorded: {dropped}" if dropped else "") + ".")
     return 0
 
 
 def _print_segment(written: SegmentWritten) -> None:
-    print(f"{written.path.name}: {written.captures} captures, {_megabytes(written.nbytes)} "
-          f"(recording: {written.kept_segments} segments, {_megabytes(written.kept_bytes)})",
-          flush=True)
+    say(f"{written.path.name}: {written.captures} captures, {_megabytes(written.nbytes)} "
+        f"(recording: {written.kept_segments} segments, {_megabytes(written.kept_bytes)})")
 
 
 def _megabytes(nbytes: int) -> str:
@@ -291,8 +292,8 @@ def run_demo(steps: int = 100, use_torch: bool | None = None, timeout: float = 1
     server = repl.serve(port=0)  # a free port, unless a server already runs here
     recorder = None if record is None else server.record(record)
     try:
-        print(f"thing demo: training a small {'torch' if use_torch else 'numpy'} model for "
-              f"{steps} steps in another process, sending to port {server.port}...", flush=True)
+        say(f"thing demo: training a small {'torch' if use_torch else 'numpy'} model for "
+            f"{steps} steps in another process, sending to port {server.port}...")
         host = "127.0.0.1" if server.host in ("", "0.0.0.0", "::") else server.host
         status = _train_elsewhere(host, server.port, steps, use_torch, timeout)
         if status != 0:
@@ -306,10 +307,10 @@ def run_demo(steps: int = 100, use_torch: bool | None = None, timeout: float = 1
         repl.plot("loss")
         if recorder is not None:
             recorder.close()  # the last segment written, every capture is on disk
-            print(f"\nRecorded {recorder.written} captures into {record}: "
-                  f"`thing open {record}` looks at them again.", flush=True)
-        print("\nNext: run `thing serve` here, call thing.catch(...) in your own training "
-              "script, then try thing.get('loss'), thing.ingest_all() and thing.help().")
+            say(f"\nRecorded {recorder.written} captures into {record}: "
+                f"`thing open {record}` looks at them again.")
+        say("\nNext: run `thing serve` here, call thing.catch(...) in your own training "
+            "script, then try thing.get('loss'), thing.ingest_all() and thing.help().")
         return 0
     finally:
         if recorder is not None:
