@@ -125,53 +125,37 @@ def test_children_forked_right_after_the_first_catch_all_deliver(server: thing.S
     assert sorted(server.get_all("child")) == list(range(80))
 
 
-def test_a_handle_from_before_a_fork_ends_in_the_child_and_the_parent_sends_it(
-        server: thing.Server) -> None:
-    """Every handle ends: the child's copy of one still queued at the fork says the parent
-    sends it (it waited for ever), and the parent does, once."""
-    out = run_script(
-        """
-        import os, sys, thing
-        handle = thing.catch(7.0, name="before")  # queued for the sender's tick
-        pid = os.fork()
-        if pid == 0:
-            stored = handle.wait()  # no timeout: it must end
-            print(stored, handle.done, handle.error, flush=True)
-            os._exit(0)
-        os.waitpid(pid, 0)
-        assert handle.wait(10), handle.error
-        """,
-        server.port,
-        timeout=60,
-    )
+FORKED_HOLDING_A_HANDLE = """
+import os, time, thing, thing.channel as channel
+{before_the_fork}
+pid = os.fork()
+if pid == 0:
+    print(handle.wait(), handle.done, handle.error, flush=True)  # no timeout: it must end
+    os._exit(0)
+os.waitpid(pid, 0)
+assert handle.wait(10), handle.error
+"""
+
+
+@pytest.mark.parametrize("before_the_fork", [
+    # Still queued for the sender's tick.
+    'handle = thing.catch(7.0, name="before")',
+    # Answered, and being told: the sender took it out of its books, then tells its handle
+    # (slowly here; a fork in between is 1 child in a few hundred).
+    'tell = channel._resolve\n'
+    'channel._resolve = lambda finished: (time.sleep(0.5), tell(finished))\n'
+    'handle = thing.catch(7.0, name="before")\n'
+    'handle._hurry()  # sent now; its answer read at once, then told slowly\n'
+    'time.sleep(0.25)',
+], ids=["queued", "being-told"])
+def test_a_handle_pending_at_a_fork_ends_in_the_child_and_the_parent_sends_it(
+        server: thing.Server, before_the_fork: str) -> None:
+    """Every handle ends: the child's copy of one the parent had pending at the fork says
+    the parent sends it (it waited for ever), and the parent does, once."""
+    out = run_script(FORKED_HOLDING_A_HANDLE.format(before_the_fork=before_the_fork),
+                     server.port, timeout=60)
     assert out.startswith("False True not sent by this process: caught before it was forked")
     assert server.get_all("before") == [7.0]
-
-
-def test_a_handle_the_sender_was_resolving_at_the_fork_ends_in_the_child(
-        server: thing.Server) -> None:
-    """The sender takes an answered capture out of its books, then tells its handle: a fork
-    in between left the child's copy in neither, pending for ever (1 child in a few
-    hundred). Widened here: the sender is made to take its time telling."""
-    out = run_script(
-        """
-        import os, time, thing, thing.channel as channel
-        tell = channel._resolve
-        channel._resolve = lambda finished: (time.sleep(0.5), tell(finished))
-        handle = thing.catch(7.0, name="answered")
-        handle._hurry()  # sent now; its answer read at once, then told slowly
-        time.sleep(0.25)
-        pid = os.fork()
-        if pid == 0:
-            print(handle.wait(), handle.error, flush=True)  # no timeout: it must end
-            os._exit(0)
-        os.waitpid(pid, 0)
-        assert handle.wait(10), handle.error
-        """,
-        server.port,
-        timeout=60,
-    )
-    assert out.startswith("False not sent by this process: caught before it was forked")
 
 
 def test_a_child_forked_while_another_thread_makes_the_client_catches_at_once(
