@@ -326,6 +326,29 @@ def test_a_mistyped_name_ends_in_a_short_traceback(default: thing.Server) -> Non
     assert len(lines) <= 7, lines
 
 
+def test_what_thing_refuses_on_purpose_ends_in_a_short_traceback(
+        default: thing.Server, tmp_path) -> None:
+    """A save to a directory of one's own files, a load of a damaged file: thing's own
+    refusals (a ThingError) are told in a few lines, not from deep in the library."""
+    import traceback
+
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "rec").mkdir()
+    (tmp_path / "rec" / "segment-000001.safetensors").write_bytes(b"\0" * 5)
+    told = []
+    try:
+        thing.save(tmp_path)
+    except thing.ThingError:
+        told.append(traceback.format_exc().strip().splitlines())
+    try:
+        thing.load(tmp_path / "rec")
+    except thing.ThingError:
+        told.append(traceback.format_exc().strip().splitlines())
+    assert [lines[-1].split(":")[0] for lines in told] == [
+        "thing.errors.ThingError", "thing.errors.BadRecording"]
+    assert all(len(lines) <= 7 for lines in told), told
+
+
 def test_ingest_all_gives_a_name_its_own_variable_and_updates_what_it_bound(
         default: thing.Server) -> None:
     send(default.port, """

@@ -4,8 +4,9 @@ They all read the store of one default :class:`~thing.server.Server`, started
 by :func:`serve`: values straight from the :class:`~thing.store.HistoryStore`,
 reports built by ``reports.py`` and shown by ``display.py``, the live view
 by ``live.py``, variables bound by ``ingest.py``; those are imported only
-when asked for, so ``import thing`` stays light. A mistake (an unknown name,
-no server yet) ends in a short traceback that names the fix.
+when asked for, so ``import thing`` stays light. What thing refuses on purpose
+(an unknown name, no server yet, a damaged recording) ends in a short
+traceback that names the fix.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from .captures import value_of
-from .errors import NotServing, ThingError, UnknownName
+from .errors import NotServing, ThingError
 from .server import Server
 from .store import Announcement, HistoryStore, Run
 
@@ -81,13 +82,15 @@ Function = TypeVar("Function", bound=Callable[..., Any])
 
 
 def _short_traceback(function: Function) -> Function:
-    """A user's mistake ends in two traceback lines and the message, not the library's stack."""
+    """What thing refuses on purpose (a mistyped name, no server, a directory a save may not
+    use, a damaged recording: a :class:`ThingError`) ends in two traceback lines and the
+    message, not the library's stack."""
 
     @functools.wraps(function)
     def reporting(*args: Any, **kwargs: Any) -> Any:
         try:
             return function(*args, **kwargs)
-        except (UnknownName, NotServing) as exc:
+        except ThingError as exc:
             raise exc.with_traceback(None) from None
 
     return reporting  # type: ignore[return-value]
