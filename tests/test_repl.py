@@ -349,6 +349,38 @@ def test_what_thing_refuses_on_purpose_ends_in_a_short_traceback(
     assert all(len(lines) <= 7 for lines in told), told
 
 
+@pytest.mark.parametrize(("call", "error"), [
+    (lambda: thing.get("loss", index=5), IndexError),
+    (lambda: thing.get("loss", index="0"), TypeError),
+    (lambda: thing.get(2.5), TypeError),
+    (lambda: thing.get(1, index=1), ValueError),
+    (lambda: thing.plot("loss", stat="nope"), ValueError),
+    (lambda: thing.every("loss", 0), ValueError),
+    (lambda: thing.every(7, 2), TypeError),
+    (lambda: thing.summary(max_items=0), ValueError),
+], ids=["index", "index-type", "name-type", "id-and-index", "stat", "every-0", "every-name",
+        "max-items"])
+def test_an_argument_a_repl_function_refuses_ends_in_a_short_traceback(
+        default: thing.Server, call, error) -> None:
+    """An index past the kept versions or a value of the wrong kind: the message says what
+    the function takes, in a few lines, and it is still the builtin error code catches."""
+    import traceback
+
+    default.store.reserve(0)
+    default.store.add("loss", 1.0, (), 0, Sender("x:1"))
+    with pytest.raises(error) as raised:
+        try:
+            call()
+        except thing.ThingError:
+            lines = traceback.format_exc().strip().splitlines()
+            raise
+    assert isinstance(raised.value, thing.ThingError)
+    frames = [line for line in lines if line.startswith("  File ")]
+    assert [frame for frame in frames if "/thing/" in frame] == [
+        next(frame for frame in frames if "/thing/repl.py" in frame)], lines
+    assert lines[-1].endswith(str(raised.value))
+
+
 def test_ingest_all_gives_a_name_its_own_variable_and_updates_what_it_bound(
         default: thing.Server) -> None:
     send(default.port, """

@@ -24,6 +24,8 @@ from . import _core, run_names
 from ._core import BACKEND
 from .client import CaptureHandle, Client
 from .errors import (
+    ArgumentError,
+    ArgumentTypeError,
     BadRecording,
     HandshakeError,
     LimitExceeded,
@@ -32,6 +34,7 @@ from .errors import (
     ThingError,
     UnknownName,
     UnsupportedType,
+    VersionOutOfRange,
 )
 from .handles import REENTERED, SKIPPED, busy, working
 
@@ -100,6 +103,8 @@ run_names.name_this_job()
 
 __all__ = [
     "BACKEND",
+    "ArgumentError",
+    "ArgumentTypeError",
     "BadRecording",
     "Capture",
     "CaptureHandle",
@@ -113,6 +118,7 @@ __all__ = [
     "ThingError",
     "UnknownName",
     "UnsupportedType",
+    "VersionOutOfRange",
     "available",
     "catch",
     "clear",

@@ -25,7 +25,7 @@ import stat
 import string
 from pathlib import Path
 
-from .errors import ThingError
+from .errors import ArgumentError, ThingError
 from .sockets import home_directory, private_directory, runtime_directory
 
 NONCE_BYTES = 32
@@ -191,11 +191,11 @@ def configured_token(explicit: str | None = None) -> str | None:
     """
     if explicit is not None:
         if not explicit:
-            raise ValueError("token='' is not a token; pass None for no token")
+            raise ArgumentError("token='' is not a token; pass None for no token")
         return explicit
     value = os.environ.get("THING_TOKEN")
     if value is not None and not value.strip():
-        raise ValueError("THING_TOKEN is set but empty; unset it for no token, or set the token")
+        raise ArgumentError("THING_TOKEN is set but empty; unset it for no token, or set the token")
     return value.strip() if value else None
 
 

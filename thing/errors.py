@@ -37,6 +37,18 @@ class BadRecording(ThingError, ValueError):
     """A file of a recording is not one thing wrote, or was damaged; nothing of it was loaded."""
 
 
+class ArgumentError(ThingError, ValueError):
+    """A function was given a value it does not take; the message says which ones it does."""
+
+
+class ArgumentTypeError(ThingError, TypeError):
+    """A function was given an argument of a type it does not take."""
+
+
+class VersionOutOfRange(ThingError, IndexError):
+    """``index=`` reaches past the versions kept of a name; the message says how many there are."""
+
+
 class NotServing(ThingError, RuntimeError):
     """A REPL function was called before ``thing.serve()``."""
 

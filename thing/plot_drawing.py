@@ -35,7 +35,7 @@ import numpy as np
 
 from . import live
 from .display import elide, in_notebook, print_drawing, say, say_once, terminal_width
-from .errors import ThingError
+from .errors import ArgumentError, ThingError
 from .plot_series import AUTO, DEFAULT_BINS, Chart, Histogram, Names, chart, histogram
 from .reports import number
 from .store import HistoryStore
@@ -63,7 +63,7 @@ def plot(store: HistoryStore, names: Names, stat: Union[str, list[str]] = AUTO,
         return chart(store, names, stat, rank, run)
 
     if live and file is not None:
-        raise ValueError("live=True redraws where you look and file= writes once: pick one")
+        raise ArgumentError("live=True redraws where you look and file= writes once: pick one")
     drawn = draw()  # a wrong name or stat fails here, in the caller's cell
     if file is not None:
         _save(drawn, file)

@@ -22,6 +22,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from .captures import Capture
+from .errors import ArgumentError
 from .history_stats import (
     capture_histogram,
     capture_stats,
@@ -104,7 +105,7 @@ def chart(store: HistoryStore, names: Names, stat: Union[str, list[str]] = AUTO,
     unknown name, ``ValueError`` for an unknown stat or nothing to draw."""
     names = [names] if isinstance(names, str) else list(names)
     if not names:
-        raise ValueError("thing.plot needs a name, or a list of names")
+        raise ArgumentError("thing.plot needs a name, or a list of names")
     stats = _stat_list(stat)
     panels: dict[str, Panel] = {}
     notes: list[str] = []
@@ -119,7 +120,7 @@ def chart(store: HistoryStore, names: Names, stat: Union[str, list[str]] = AUTO,
         single = all(values is None or values.count == 1 for values in numbers)
         wanted = (["value"] if single else ["norm", "spread"]) if stats == [AUTO] else stats
         if "value" in wanted and not single:
-            raise ValueError(f"stat='value' draws single numbers, and {label} holds arrays "
+            raise ArgumentError(f"stat='value' draws single numbers, and {label} holds arrays "
                              f"({_what(captures[-1])}); try stat='norm' or 'spread'")
         for one in wanted:
             series = _series(label, one, captures)
@@ -135,7 +136,7 @@ def chart(store: HistoryStore, names: Names, stat: Union[str, list[str]] = AUTO,
                          f"captures, the first at step {_step_text(series.non_finite[0])}"
                          + ("" if single else " (their statistics are over the finite values)"))
     if not panels:
-        raise ValueError("; ".join(notes))
+        raise ArgumentError("; ".join(notes))
     if "value" in panels and len(panels["value"].series) <= 3:  # its axis names what it shows
         panels["value"].title = ", ".join(series.label for series in panels["value"].series)
     title = ", ".join(names) if len(names) <= 3 else f"{names[0]} and {len(names) - 1} more"
@@ -148,12 +149,12 @@ def histogram(store: HistoryStore, name_or_id: Union[str, int], index: int = 0,
     """The distribution of one capture's finite values in ``bins`` equal bins (see
     ``thing.hist``)."""
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-        raise ValueError(f"bins must be a whole number of bins, 1 or more, not {bins!r}")
+        raise ArgumentError(f"bins must be a whole number of bins, 1 or more, not {bins!r}")
     capture = store.get(name_or_id, index, rank, step, run)
     counted = capture_histogram(capture, bins)
     label = capture.name if capture.name is not None else f"capture {capture.id}"
     if counted is None:
-        raise ValueError(f"{label} has no finite numbers to count ({_what(capture)})")
+        raise ArgumentError(f"{label} has no finite numbers to count ({_what(capture)})")
     counts, edges = counted
     values = capture_stats(capture).values
     assert values is not None  # counted: it has numbers
@@ -196,7 +197,7 @@ def _stat_list(stat: Union[str, list[str], tuple[str, ...]]) -> list[str]:
     stats = [stat] if isinstance(stat, str) else list(stat)
     unknown = [one for one in stats if one not in STAT_TITLES and one != AUTO]
     if unknown or not stats or (AUTO in stats and len(stats) > 1):
-        raise ValueError(f"stat must be 'auto' or some of {', '.join(map(repr, STAT_TITLES))}, "
+        raise ArgumentError(f"stat must be 'auto' or some of {', '.join(map(repr, STAT_TITLES))}, "
                          f"not {stat!r}")
     return stats
 
@@ -206,7 +207,7 @@ def _lines(store: HistoryStore, name: str, rank: Union[int, str, None],
     """``(label, captures)`` per line of ``name``: one per rank when several ranks sent it
     (unless ``rank`` picks one), and one per run with ``run="all"``."""
     if isinstance(rank, str) and rank != "all":
-        raise ValueError(f"rank must be a rank number, None or 'all', not {rank!r}")
+        raise ArgumentError(f"rank must be a rank number, None or 'all', not {rank!r}")
     captures = store.get_all(name, None if rank == "all" else rank, run)
     # One line through several ranks' values would zigzag between them: a line per rank.
     per_rank = rank == "all" or len({capture.rank for capture in captures}) > 1

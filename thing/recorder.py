@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 from .captures import Capture
-from .errors import ThingError
+from .errors import ArgumentError, ThingError
 from .recording import (
     MAX_SEGMENT_NUMBER,
     PathLike,
@@ -104,7 +104,7 @@ class Recorder:
                  on_segment: Optional[Callable[[SegmentWritten], None]] = None):
         if not (math.isfinite(segment_seconds) and 0 < segment_seconds <= MAX_SEGMENT_SECONDS):
             # inf or 1e300 overflowed the writer's wait, which then lost every capture.
-            raise ValueError(f"segment_seconds must be more than 0 and at most "
+            raise ArgumentError(f"segment_seconds must be more than 0 and at most "
                              f"{MAX_SEGMENT_SECONDS:g}, not {segment_seconds!r}")
         self.store = store
         self.directory = Path(directory)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from .captures import value_of
-from .errors import NotServing, ThingError
+from .errors import ArgumentError, NotServing, ThingError
 from .server import Server
 from .store import Announcement, HistoryStore, Run
 
@@ -363,7 +363,8 @@ def summary(max_items: int | None = 5) -> None:
 
     if max_items is not None and (isinstance(max_items, bool) or not isinstance(
             max_items, int) or max_items < 1):
-        raise ValueError(f"max_items is a whole number from 1, or None for all, not {max_items!r}")
+        raise ArgumentError(
+            f"max_items is a whole number from 1, or None for all, not {max_items!r}")
     store = _store()
     info = _server.info() if _server is not None and _server.running else None
     display.show(reports.summary(store, info, max_items))

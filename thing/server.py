@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from . import auth, config, receiver, shm, wire
 from .buffers import ReceiveBuffers
 from .captures import Capture, Sender, value_of
-from .errors import HandshakeError, ProtocolError
+from .errors import ArgumentError, HandshakeError, ProtocolError
 from .history_stats import StatsWorker
 from .overrides import Statement
 from .sockets import (
@@ -538,7 +538,7 @@ def _positive(number: int, what: str, least: int = 1) -> int:
     not a whole number from ``least`` to wire.MAX_CONTROL_VALUE."""
     if isinstance(number, bool) or not isinstance(number, int) or not (
             least <= number <= wire.MAX_CONTROL_VALUE):
-        raise ValueError(f"{what} must be a whole number from {least}, not {number!r}")
+        raise ArgumentError(f"{what} must be a whole number from {least}, not {number!r}")
     return number
 
 

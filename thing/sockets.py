@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from ._core import recv_buffers
+from .errors import ArgumentError
 
 _no_temporary_directory = False
 
@@ -74,9 +75,9 @@ def _port(text: str, whole: str) -> int:
     try:
         port = int(text)
     except ValueError:
-        raise ValueError(f"bad port in server address {whole!r}") from None
+        raise ArgumentError(f"bad port in server address {whole!r}") from None
     if not 0 <= port < 65536:
-        raise ValueError(f"port out of range in server address {whole!r}")
+        raise ArgumentError(f"port out of range in server address {whole!r}")
     return port
 
 

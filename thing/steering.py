@@ -21,6 +21,7 @@ import threading
 from typing import TYPE_CHECKING, Optional
 
 from . import wire
+from .errors import ArgumentError, ArgumentTypeError
 from .overrides import MAX_RANKED_STATEMENTS, MAX_STEERED_NAMES, SettingsTable, Statement
 from .sockets import shutdown
 
@@ -68,16 +69,16 @@ class Steering:
         """Record a statement (or send a request, or a reset) to every client; returns how
         many connected clients it was sent to."""
         if name is not None and not isinstance(name, str):
-            raise TypeError(f"a name is a str (or None: every name), not {name!r}")
+            raise ArgumentTypeError(f"a name is a str (or None: every name), not {name!r}")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
                                  or rank not in wire.RANKS):
-            raise ValueError(f"rank must be a rank number (or None: every rank), not {rank!r}")
+            raise ArgumentError(f"rank must be a rank number (or None: every rank), not {rank!r}")
         message = wire.encode_control(operation, name, rank, value)
         # What a client would refuse is refused here, with its reason.
         wire.decode_control(message[:wire.CONTROL.size], message[wire.CONTROL.size:])
         with self._lock:
             if operation != "request" and not self._table.apply(operation, name, rank, value):
-                raise ValueError(f"the REPL steers at most {MAX_STEERED_NAMES} names, and sets "
+                raise ArgumentError(f"the REPL steers at most {MAX_STEERED_NAMES} names, and sets "
                                  f"at most {MAX_RANKED_STATEMENTS} things for single ranks: "
                                  "thing.reset() some first")
             return sum(self._send(connection, message) for connection in list(self._connections))

@@ -29,7 +29,7 @@ from . import config
 from ._core import untrack
 from .arrays import LeafSpec
 from .captures import Capture, Sender
-from .errors import LimitExceeded, UnknownName
+from .errors import ArgumentError, ArgumentTypeError, LimitExceeded, UnknownName, VersionOutOfRange
 from .names import identifier_for
 from .wire import ReceivedValue, build_value
 
@@ -134,7 +134,7 @@ class HistoryStore:
         self.max_bytes = config.store_max_bytes() if max_bytes is None else max_bytes
         self.max_versions = config.store_max_versions() if max_versions is None else max_versions
         if self.max_versions is not None and self.max_versions < 1:
-            raise ValueError("max_versions must be at least 1 (or None for unlimited)")
+            raise ArgumentError("max_versions must be at least 1 (or None for unlimited)")
         # Held to read or change anything; _changed is the condition on it that waiters
         # (get(wait=...), flush) sleep on. Taking the lock itself costs less than the condition.
         self._lock = threading.RLock()
@@ -463,7 +463,7 @@ class HistoryStore:
         with self._lock:
             if isinstance(key, numbers.Integral) and not isinstance(key, bool):
                 if index or step is not None or rank is not None or run is not None:
-                    raise ValueError(f"capture {key} is one capture: index=, step=, rank= and "
+                    raise ArgumentError(f"capture {key} is one capture: index=, step=, rank= and "
                                      "run= select among a name's captures, not by id")
                 if int(key) not in self._by_id:
                     raise UnknownName(f"no capture with id {key} (evicted, cleared or never "
@@ -473,7 +473,7 @@ class HistoryStore:
             if step is not None:
                 return _at_step(key, history, step)
             if not -len(history) <= index < len(history):
-                raise IndexError(
+                raise VersionOutOfRange(
                     f"{key!r} has {len(history)} kept versions; index {index} is out of range"
                 )
             return history[-1 - index] if index >= 0 else history[-index - 1]
@@ -536,7 +536,8 @@ class HistoryStore:
     def _resolve(self, name: str) -> str:
         """``name`` itself, or the one kept name whose identifier it is (``h_3`` for ``h[3]``)."""
         if not isinstance(name, str):
-            raise TypeError(f"a capture is looked up by name (str) or id (int), not {name!r}")
+            raise ArgumentTypeError(
+                f"a capture is looked up by name (str) or id (int), not {name!r}")
         if name in self._by_name:
             return name
         aliased = self._aliased(name)
@@ -659,7 +660,7 @@ class HistoryStore:
         """Block until a capture of ``name`` newer than id ``after`` (default: now) arrives."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if not isinstance(name, str):
-            raise TypeError(f"a capture is waited for by name (str), not {name!r}")
+            raise ArgumentTypeError(f"a capture is waited for by name (str), not {name!r}")
         with self._lock:
             if after is None:
                 after = self._next_id - 1
@@ -781,7 +782,7 @@ def _whole_number(what: str, value: Any) -> None:
     """TypeError unless ``value`` is an int (a numpy one too), not a bool: True as step 1
     would hand back a capture nobody asked for."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{what} is a whole number, not {value!r}")
+        raise ArgumentTypeError(f"{what} is a whole number, not {value!r}")
 
 
 def _header_bytes(value: Any) -> int:

@@ -36,7 +36,7 @@ from .arrays import (
     structured_fields,
     torch_size,
 )
-from .errors import HandshakeError, LimitExceeded, ProtocolError, UnsupportedType
+from .errors import ArgumentError, HandshakeError, LimitExceeded, ProtocolError, UnsupportedType
 from .sockets import recv_exactly
 
 MAGIC = b"THNG"
@@ -898,7 +898,7 @@ def encode_control(operation: str, name: str | None, rank: int | None, value: in
     of more than MAX_CONTROL_NAME bytes, which a client takes for a broken stream."""
     raw_name = b"" if name is None else name.encode("utf-8", "surrogatepass")
     if name is not None and not 0 < len(raw_name) <= MAX_CONTROL_NAME:
-        raise ValueError(f"a name of {len(raw_name)} bytes in UTF-8: a job steers names of "
+        raise ArgumentError(f"a name of {len(raw_name)} bytes in UTF-8: a job steers names of "
                          f"1 to {MAX_CONTROL_NAME} bytes (None stands for every name)")
     return CONTROL.pack(CONTROL_TAG, CONTROL_CODES[operation], len(raw_name),
                         NO_RANK if rank is None else rank, value) + raw_name
