@@ -556,6 +556,53 @@ def test_source_that_no_longer_parses_falls_back(client, tmp_path):
     assert module.step(0.5) == "step:2"
 
 
+@needs_columns
+def test_source_edited_since_the_code_was_compiled_is_not_read_for_names(client, tmp_path):
+    """Two catch lines swapped in the editor while the job runs: read at the running code's
+    positions, the new text would file val_loss's values under val_acc."""
+    path = tmp_path / "swapped_module.py"
+    path.write_text("def evaluate(val_loss, val_acc):\n"
+                    "    return client.catch(val_loss), client.catch(val_acc)\n")
+    module = load_module(path, "swapped_module")
+    module.client = client
+    path.write_text("def evaluate(val_loss, val_acc):\n"
+                    "    return client.catch(val_acc), client.catch(val_loss)\n")
+    linecache.checkcache(str(path))
+    assert module.evaluate(1.0, 0.25) == ("evaluate:2", "evaluate:2_1")
+
+
+@needs_columns
+def test_a_module_reloaded_after_an_edit_is_named_from_its_new_text(client, tmp_path):
+    """linecache still holds the text from before the edit, and the code running is the new
+    one (importlib.reload, IPython's autoreload): the file is read again."""
+    path = tmp_path / "reloaded_module.py"
+    path.write_text("def step(loss, acc):\n    return client.catch(loss), client.catch(acc)\n")
+    assert linecache.getlines(str(path))  # read before the edit (a traceback, a first catch)
+    path.write_text("def step(loss, acc):\n    return client.catch(acc), client.catch(loss)\n")
+    edited = path.stat().st_mtime + 10  # as an edit made later is: no faster than the clock
+    os.utime(path, (edited, edited))
+    module = load_module(path, "reloaded_module")
+    module.client = client
+    assert module.step(1.0, 0.5) == ("acc", "loss")
+
+
+@needs_columns
+def test_names_the_code_loads_unwritten_or_mangled_are_not_taken_for_an_edit(client):
+    class Model:
+        def __init__(self) -> None:
+            self.__w = 1.0
+
+        def weight(self):
+            return client.catch(self.__w)
+
+    class Child(Model):
+        def weight(self):
+            return client.catch(super().weight())
+
+    assert Model().weight() == "self.__w"
+    assert Child().weight() == "super().weight()"
+
+
 def test_never_raises(client, monkeypatch):
     def broken(*args):
         raise RuntimeError("linecache is broken")

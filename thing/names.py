@@ -75,6 +75,8 @@ _CLOSING_OR_JOINING = frozenset({")", "]", "}", ".", ","})
 # Python 3.12+ tokenizes f-strings into parts; earlier versions have no such tokens.
 _FSTRING_START = getattr(tokenize, "FSTRING_START", None)
 _FSTRING_END = getattr(tokenize, "FSTRING_END", None)
+# What _argument_at answers for source text that the running code was not compiled from.
+_STALE: Any = object()
 
 
 class CallSite(NamedTuple):
@@ -217,7 +219,17 @@ class NameTracer:
         if not lines:
             argument = None
         elif positions is not None:
-            argument = _argument_at(lines, positions, self.keyword)
+            argument = _argument_at(lines, positions, self.keyword, code)
+            if argument is None or argument is _STALE:
+                # linecache may hold the text from before an edit that the running code was
+                # compiled from (a module reloaded): read the file again (if changed), once.
+                linecache.checkcache(code.co_filename)
+                lines = linecache.getlines(code.co_filename, frame.f_globals)
+                argument = _argument_at(lines, positions, self.keyword, code)
+            if argument is _STALE:
+                log.debug("the source of %s:%s is not the text its code was compiled from "
+                          "(edited since?); using a fallback name", site.file, site.line)
+                return None
         else:
             argument = self._argument_on_line(code.co_filename, lines, site.line)
         if argument is None:
@@ -318,9 +330,10 @@ def _call_positions(code: types.CodeType, lasti: int) -> Optional[tuple[int, int
 
 
 def _argument_at(
-    lines: list[str], positions: tuple[int, int, int, int], keyword: str
+    lines: list[str], positions: tuple[int, int, int, int], keyword: str, code: types.CodeType
 ) -> Optional[str]:
-    """The first argument's text of the call expression at these positions, if it is a call."""
+    """The first argument's text of the call expression at these positions, if it is a call;
+    ``_STALE`` if that text cannot be what ``code`` was compiled from."""
     line, end_line, column, end_column = positions
     if not 1 <= line <= end_line <= len(lines):
         return None
@@ -341,8 +354,49 @@ def _argument_at(
     argument = _first_argument(call, keyword)
     if argument is None:
         return None
+    # The argument's place in the file: the expression starts at (line, column).
+    start = (line + argument.lineno - 1,
+             argument.col_offset + (column if argument.lineno == 1 else 0))
+    end = (line + (argument.end_lineno or argument.lineno) - 1,
+           (argument.end_col_offset or 0) + (column if argument.end_lineno == 1 else 0))
+    if not _loads_are_named_in(code, start, end, argument):
+        return _STALE
     text = ast.get_source_segment(expression, argument)
     return _normalise_whitespace(text) if text else None
+
+
+def _loads_are_named_in(code: types.CodeType, start: tuple[int, int], end: tuple[int, int],
+                        argument: ast.expr) -> bool:
+    """Whether every variable and attribute that ``code`` loads where ``argument``'s text
+    lies (from ``start`` to ``end``, as (line, column)) is named in that text.
+
+    The file may have been edited since the code was compiled: its text at the code's
+    positions may then be another call (two catch lines swapped), and a name traced from it
+    would file one variable's values under another's name. A text that names what the code
+    loads there is the text it was compiled from, as far as a name can tell.
+    """
+    import dis  # here: only the first call from each site traces
+
+    named = {node.id for node in ast.walk(argument) if isinstance(node, ast.Name)}
+    named |= {node.attr for node in ast.walk(argument) if isinstance(node, ast.Attribute)}
+    private = tuple(name for name in named if name.startswith("__"))
+    for instruction in dis.get_instructions(code):
+        position = instruction.positions
+        if (position is None or None in position or not instruction.opname.startswith("LOAD_")
+                or instruction.opname == "LOAD_CONST"):
+            continue
+        # Starting inside, not lying inside: edited text may be shorter than the code's. A
+        # load that starts before is of the call or the statement around it.
+        if not start <= (position.lineno, position.col_offset) < end:
+            continue
+        loaded = instruction.argval
+        for name in loaded if isinstance(loaded, tuple) else (loaded,):
+            if not isinstance(name, str) or not name.isidentifier() or name in named:
+                continue
+            # super() loads __class__ unwritten; a class's private names are mangled.
+            if name != "__class__" and not any(map(name.endswith, private)):
+                return False
+    return True
 
 
 def _first_argument(call: ast.Call, keyword: str) -> Optional[ast.expr]:
