@@ -296,6 +296,32 @@ def test_a_jax_result_still_computing_is_caught_without_waiting_and_survives_don
     assert np.asarray(server.get("corner")).tolist() == [[3000.0] * 4] * 4
 
 
+def test_a_large_jax_array_caught_then_donated_to_the_next_step_arrives(
+        server: thing.Server) -> None:
+    """The jax training loop: catch the parameters, then a step that donates them. A large
+    array is read in place by the sender thread after the step has begun: it was lost
+    ("Array has been deleted") on nearly every step."""
+    pytest.importorskip("jax")
+    run_script(
+        """
+        import jax, jax.numpy as jnp, thing
+        step = jax.jit(lambda p: p + 1, donate_argnums=0)
+        params = jnp.zeros(1 << 17, jnp.float32).block_until_ready()  # 512 KiB
+        handles = []
+        for i in range(12):
+            params.block_until_ready()  # a ready array: the one kept by reference
+            handles.append(thing.catch(params, name="params"))
+            params = step(params)
+        assert all(h.wait(30) for h in handles), [h.error for h in handles]
+        """,
+        server.port,
+    )
+    kept = server.store.get_all("params")
+    assert [np.asarray(c.value).tobytes() for c in kept] == [
+        np.full(1 << 17, i, np.float32).tobytes() for i in range(12)]
+    assert all(c.consistent for c in kept)
+
+
 def test_copy_false_reads_small_arrays_in_place(server: thing.Server) -> None:
     """The opt-out: a user who knows the array is not rewritten saves the copy."""
     client = thing.Client("127.0.0.1", server.port)

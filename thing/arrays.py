@@ -222,8 +222,9 @@ def hold(leaf: Leaf, copy: bool | None, snapshot_bytes: int) -> None:
     then carry their version counter, so a later in-place update is detected.
     CUDA tensors are copied to pinned host memory on their own device's
     stream, which is a snapshot by construction; jax arrays on a device are
-    immutable, and those on the CPU are snapshotted as numpy arrays are (one made
-    from another framework's memory by dlpack changes with it).
+    immutable, but may be donated to a step before they are read, unless
+    snapshotted on the device; those on the CPU are snapshotted as numpy arrays
+    are (one made from another framework's memory by dlpack changes with it).
     """
     source, framework = leaf.source, leaf.spec.framework
     snapshot = copy if copy is not None else leaf.nbytes <= snapshot_bytes
@@ -238,14 +239,20 @@ def hold(leaf: Leaf, copy: bool | None, snapshot_bytes: int) -> None:
         if copy is not False and not isinstance(source.obj, bytes):
             leaf.source = memoryview(bytes(source))
     elif not _on_cpu(source):  # jax: start the device-to-host copy now, read it later
+        if snapshot:  # donated to the next step, the array itself would be gone by then
+            source = leaf.source = source.copy()
         source.copy_to_host_async()
-    elif snapshot:
+    elif not source.is_ready():
+        # Still being computed, and may be donated to the next step: copied by jax, which
+        # does not wait for it (waiting here would block the caller).
+        leaf.source = source.copy()
+    else:
         # Immutable, unless it shares memory with another framework's array (dlpack), which
-        # may change it: copied like any array (a view of it costs jax about 2 us). One
-        # still being computed is jax's own, but may be donated to the next step: copied by
-        # jax, which does not wait for it (waiting here would block the caller).
-        leaf.source = (_snapshot_array(np.asarray(source)) if source.is_ready()
-                       else source.copy())
+        # may change it: snapshotted like any array (a view of it costs jax about 2 us).
+        # Read in place, it is held as that view: jax does not donate a buffer that
+        # numpy holds to the next step (which would delete the array before it is sent).
+        view = np.asarray(source)
+        leaf.source = _snapshot_array(view) if snapshot else view
 
 
 def _snapshot_array(array: np.ndarray) -> bytes:
