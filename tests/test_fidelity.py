@@ -322,6 +322,52 @@ def test_a_large_jax_array_caught_then_donated_to_the_next_step_arrives(
     assert all(c.consistent for c in kept)
 
 
+def test_a_tensor_moved_into_shared_memory_while_it_is_read_is_marked() -> None:
+    """share_memory_() counts no version: it copies the storage and frees the memory the
+    sender is reading (a DataLoader worker's queue does it to the sample it returns)."""
+    from thing import wire
+    from thing.arrays import leaf_bytes, torn
+
+    tensor = torch.arange(float(1 << 16))  # 256 KiB: read in place
+    payload = wire.take_apart(tensor)
+    payload.hold(copy=None, snapshot_bytes=1 << 16)
+    (leaf,) = payload.leaves
+    view = leaf_bytes(leaf)  # the sender begins to read
+    assert not torn(leaf)
+    tensor.share_memory_()
+    del view
+    assert torn(leaf)
+
+
+def test_a_tensor_whose_memory_is_freed_while_it_is_sent_is_never_stored_unmarked(
+        server: thing.Server) -> None:
+    """The caller moves a large tensor into shared memory while the sender thread sends it:
+    the memory read is freed (unmapped, at this size) mid-send. What arrives is bit-exact,
+    marked inconsistent, or reported not sent with the reason; never the server's "did not
+    arrive whole", never wrong bytes marked consistent."""
+    out = run_script(
+        """
+        import json, torch, thing
+        outcomes = []
+        for i in range(3):
+            tensor = torch.full((1 << 24,), float(i))  # 64 MiB
+            handle = thing.catch(tensor, name="moved")
+            tensor.share_memory_()
+            handle.wait(60)
+            outcomes.append(handle.error)
+        print(json.dumps(outcomes))
+        """,
+        server.port,
+    )
+    errors = json.loads(out.strip().splitlines()[-1])
+    assert all(error is None or "its memory was freed while it was sent" in error
+               or "connection to the server was lost" in error for error in errors), errors
+    for capture in server.store.get_all("moved"):
+        value = capture.value
+        exact = bool((value == value[0]).all()) and float(value[0]) in (0.0, 1.0, 2.0)
+        assert exact or capture.consistent is False
+
+
 def test_copy_false_reads_small_arrays_in_place(server: thing.Server) -> None:
     """The opt-out: a user who knows the array is not rewritten saves the copy."""
     client = thing.Client("127.0.0.1", server.port)

@@ -99,6 +99,35 @@ def test_dataloader_workers_deliver_every_capture(server: thing.Server) -> None:
                                     for epoch in range(3) for index in range(64))
 
 
+def test_persistent_dataloader_workers_deliver_when_the_loader_is_deleted_at_the_end(
+        server: thing.Server) -> None:
+    """Alive at interpreter exit, persistent workers are terminated (SIGTERM) with captures
+    still queued: the README's `del loader` at the end of the script ends them properly."""
+    run_script(
+        """
+        import torch, thing
+        from torch.utils.data import DataLoader, Dataset
+
+        class Numbers(Dataset):
+            def __len__(self):
+                return 64
+            def __getitem__(self, index):
+                thing.catch(torch.tensor(float(index)), name="item")
+                return index
+
+        loader = DataLoader(Numbers(), batch_size=8, num_workers=2,
+                            multiprocessing_context="fork", persistent_workers=True)
+        for epoch in range(2):
+            assert sorted(int(i) for batch in loader for i in batch) == list(range(64))
+        del loader  # the job ends here
+        """,
+        server.port,
+        timeout=120,
+    )
+    assert sorted(float(t) for t in server.get_all("item")) == sorted(
+        float(i) for i in range(64) for _ in range(2))
+
+
 def test_children_forked_right_after_the_first_catch_all_deliver(server: thing.Server) -> None:
     """The parent's sender thread is busy connecting when the children are forked."""
     run_script(

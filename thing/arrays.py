@@ -90,10 +90,11 @@ class Leaf:
     ``source`` starts as the caught object itself; :func:`hold` replaces it with
     a snapshot where one is taken. ``ready`` is a CUDA event the sender thread
     waits for before reading ``source``; ``version`` is torch's in-place
-    version counter at the call, for a tensor that is read in place later.
+    version counter at the call, for a tensor that is read in place later, and
+    ``address`` its data pointer when the sender began to read it.
     """
 
-    __slots__ = ("spec", "source", "nbytes", "ready", "version")
+    __slots__ = ("spec", "source", "nbytes", "ready", "version", "address")
 
     def __init__(self, spec: LeafSpec, source: Any, nbytes: int):
         self.spec = spec
@@ -101,6 +102,7 @@ class Leaf:
         self.nbytes = nbytes
         self.ready: Any = None
         self.version: int | None = None
+        self.address: int | None = None
 
 
 def is_array(obj: Any) -> bool:
@@ -392,6 +394,7 @@ def leaf_bytes(leaf: Leaf) -> bytes | np.ndarray:
         pass
     elif framework == "torch":
         _check_memory(source, leaf.nbytes)  # freed since the call? (read in place)
+        leaf.address = source.data_ptr()
         if tuple(source.shape) != leaf.spec.shape:
             raise ValueError(_resized(leaf, f"its shape is {tuple(source.shape)} now"))
         source = source.detach().resolve_conj().resolve_neg().contiguous()
@@ -424,14 +427,21 @@ def _little_endian(array: np.ndarray) -> np.ndarray:
 
 
 def torn(leaf: Leaf) -> bool:
-    """True if a torch tensor read in place was modified after it was caught.
+    """True if a torch tensor read in place was modified after it was caught, or its memory
+    moved while it was read.
 
     The version counter only grows, so one look once the bytes are sent
     covers every in-place operation that ended between the call and the end of
     the send. Torch counts an operation when it ends: one still running then is
     not seen (the README says so, and that ``copy=True`` is the way out).
+    ``share_memory_()`` counts no version: it copies the storage into shared
+    memory and frees the memory being read. A DataLoader worker's queue does
+    that to a sample it returns (``batch_size=None``, or a ``collate_fn`` that
+    keeps samples as they are), and so does ``multiprocessing.Queue.put``.
     """
-    return leaf.version is not None and leaf.source._version != leaf.version
+    source = leaf.source
+    return (leaf.version is not None and source._version != leaf.version) or (
+        leaf.address is not None and source.data_ptr() != leaf.address)
 
 
 def finish(spec: LeafSpec, received: np.ndarray) -> Any:

@@ -24,6 +24,7 @@ checks that, and a server that breaks it is treated as a broken connection.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import select
@@ -118,6 +119,9 @@ class Channel:
         # Room (bytes) of frames in flight sent in a memfd, by sequence number: see
         # _hold_room_until_answered.
         self._shared_room: dict[int, int] = {}
+        # Why a frame in flight was cut short by us, not the server, by sequence number: its
+        # refusal ("did not arrive whole") or its loss is told with this reason instead.
+        self._cut_short: dict[int, str] = {}
         self._sock: socket.socket | None = None
         self._notices = False  # whether the server takes notices of unsent captures
         self._told: set[tuple[str | None, str]] = set()  # notices sent on this connection
@@ -699,12 +703,22 @@ class Channel:
         if not sent:
             buffers = [prefix, header, *views]  # both movers skip empty views
             del views
-            if frames.read_in_place(payload):
-                # Whether a torch tensor moved on is known only once its bytes are in the kernel.
-                send_buffers(sock, buffers)
-                buffers = []
-            trailer = frames.trailer(mac, prefix, header, any(map(torn, payload.leaves)))
-            send_buffers(sock, [*buffers, trailer])
+            try:
+                if frames.read_in_place(payload):
+                    # Whether a torch tensor moved on is known only once its bytes are in
+                    # the kernel.
+                    send_buffers(sock, buffers)
+                    buffers = []
+                trailer = frames.trailer(mac, prefix, header, any(map(torn, payload.leaves)))
+                send_buffers(sock, [*buffers, trailer])
+            except OSError as exc:
+                if exc.errno == errno.EFAULT:  # the kernel found the memory gone: see torn()
+                    with self._mutex:
+                        self._cut_short[seq] = (
+                            "not sent: its memory was freed while it was sent (share_memory_(), "
+                            "as DataLoader and multiprocessing queues do to what they pass "
+                            "on); catch(..., copy=True) copies it at the call")
+                raise
         # The bytes are in the kernel: drop our references so the arrays can be freed.
         payload.leaves.clear()
         return sent and self._hold_room_until_answered(seq, payload.held)
@@ -773,6 +787,8 @@ class Channel:
                     self._room.give_back(shared_room.pop(seq))
                 if status == wire.ACK_STORED:
                     finished.append((pending, capture_id, None, None))
+                elif seq in self._cut_short:
+                    finished.append((pending, None, self._cut_short.pop(seq), "failed"))
                 else:  # its text made readable below, not under the mutex catch() takes
                     finished.append((pending, None, message, "refused"))
             self._count(finished)
@@ -793,9 +809,13 @@ class Channel:
 
     def _fail_inflight(self, reason: str, error: str) -> None:
         with self._mutex:
-            finished: list[Finished] = [(pending, None, error, reason)
-                                        for pending in self._inflight.values()]
+            cut_short = self._cut_short
+            finished: list[Finished] = [
+                (pending, None, error, reason) if seq not in cut_short else
+                (pending, None, cut_short[seq], "failed")
+                for seq, pending in self._inflight.items()]
             self._inflight.clear()
+            cut_short.clear()
             if self._shared_room:
                 self._room.give_back(sum(self._shared_room.values()), len(self._shared_room))
                 self._shared_room.clear()
