@@ -34,9 +34,11 @@ One variable is one history: a name is keyed by the module (its ``__name__``), t
 qualified name of the calling function and the expression, not by the line. The same
 expression caught on several lines of one function is one name, and so is a training cell
 run again in IPython or Jupyter, whose cells all belong to ``__main__`` (as do ``python -i``
-and ``exec`` of a string). The same expression in *another* function or module gets ``_1``,
-``_2``... appended, in the order they first catch (``loss``, ``loss_1``, ``loss_2``); a key
-keeps its name for the life of the process.
+and ``exec`` of a string). The same expression in *another* function gets ``_1``, ``_2``...
+appended (``loss``, ``loss_1``, ``loss_2``) in the order the functions come in their file,
+whichever catches first, so that every process of a job (ranks, DataLoader workers) names
+each variable alike; in another module, in the order they first catch. A key keeps its name
+for the life of the process.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import keyword
 import linecache
 import logging
 import re
+import sys
 import threading
 import tokenize
 import types
@@ -121,6 +124,9 @@ class NameTracer:
         # filename -> (the lines linecache gave, their text, its parse); for the line-based
         # fallback, which otherwise would parse a whole file for every call site in it.
         self._parsed: dict[str, tuple[list[str], str, Optional[ast.Module]]] = {}
+        # filename -> (the lines linecache gave, traced text -> the functions whose catch
+        # calls have that text, in the order they come in the file): see _resolve.
+        self._in_file_order: dict[str, tuple[list[str], dict[str, list[str]]]] = {}
 
     def after_fork(self) -> None:
         """In a forked child: another thread of the parent may have held the lock."""
@@ -178,7 +184,15 @@ class NameTracer:
             key = (*key[:2], _fallback_name(site))
             if len(self._by_key) < self.max_sites:
                 key += (_code_at(code, frame.f_lasti),)
+        # The functions of this file that catch the same text take their names in the order
+        # they come in it, whichever catches first: a process (a rank that validates before
+        # it trains, a DataLoader worker) must not name another variable after this one.
+        alike = ([] if text is None or key in self._by_key else
+                 self._functions_catching(code.co_filename, frame.f_globals).get(text, []))
         with self._lock:
+            for function in alike:
+                if (key[0], function, text) not in self._by_key:
+                    self._by_key[key[0], function, text] = self._claim(text)
             name = self._by_key.get(key)
             if name is None:
                 name = self._by_key[key] = self._claim(key[2])
@@ -237,13 +251,23 @@ class NameTracer:
             log.debug("%s for the capture at %s:%s; using a fallback name",
                       why, site.file, site.line)
             return None
-        if len(argument) > MAX_TRACED_NAME:
-            import hashlib  # here: it takes 3 ms of `import thing` (OpenSSL), for a rare name
+        return _cut_to_length(argument)
 
-            digest = hashlib.blake2b(argument.encode("utf-8", "surrogatepass"),
-                                     digest_size=4).hexdigest()
-            argument = f"{argument[:MAX_TRACED_NAME - 9]}…{digest}"
-        return argument
+    def _functions_catching(self, filename: str, module_globals: dict[str, Any]
+                            ) -> dict[str, list[str]]:
+        """Traced text -> the qualified names of the functions of ``filename`` that catch
+        it, in the order they come in the file (read once per version of the file)."""
+        lines = linecache.getlines(filename, module_globals)
+        cached = self._in_file_order.get(filename)
+        if cached is not None and cached[0] is lines:
+            return cached[1]
+        try:
+            order = _functions_catching(ast.parse("".join(lines)), lines, self.keyword)
+        except (SyntaxError, ValueError, RecursionError):
+            order = {}
+        with self._lock:
+            self._in_file_order[filename] = (lines, order)
+        return order
 
     def _argument_on_line(self, filename: str, lines: list[str], line: int) -> Optional[str]:
         """Best effort without column positions: the one ``...catch(arg)`` call on the line."""
@@ -272,6 +296,67 @@ class NameTracer:
         if len(found) == 1 and found[0]:
             return _normalise_whitespace(found[0])
         return None
+
+
+def _functions_catching(tree: ast.Module, lines: list[str], keyword: str
+                        ) -> dict[str, list[str]]:
+    """Traced text -> the qualified names (``co_qualname``) of the functions whose calls of
+    a ``...catch`` function have that text as first argument, in the order of the file.
+
+    A function whose qualified name is worked out wrong here (a ``catch`` imported
+    under another name is not seen at all) only takes its name in first-catch order.
+    """
+    order: dict[str, list[str]] = {}
+    inlined = sys.version_info >= (3, 12)  # comprehensions run in their function's frame
+    encoded = [line.encode("utf-8") for line in lines]  # the ast's columns count bytes
+
+    def visit(node: ast.AST, qualname: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                inner = prefix + getattr(child, "name", "<lambda>")
+                visit(child, inner, inner + ".<locals>.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, prefix + child.name, prefix + child.name + ".")
+            elif isinstance(child, ast.GeneratorExp) or (not inlined and isinstance(
+                    child, (ast.ListComp, ast.SetComp, ast.DictComp))):
+                inner = prefix + {ast.GeneratorExp: "<genexpr>", ast.ListComp: "<listcomp>",
+                                  ast.SetComp: "<setcomp>", ast.DictComp: "<dictcomp>"}[
+                                      type(child)]
+                visit(child, inner, inner + ".<locals>.")
+            else:
+                if isinstance(child, ast.Call) and _called_name(child.func).endswith("catch"):
+                    argument = _first_argument(child, keyword)
+                    text = argument and _text_of(argument, encoded)
+                    if text:
+                        functions = order.setdefault(
+                            _cut_to_length(_normalise_whitespace(text)), [])
+                        if qualname not in functions:
+                            functions.append(qualname)
+                visit(child, qualname, prefix)
+
+    visit(tree, "<module>", "")
+    return order
+
+
+def _text_of(node: ast.expr, encoded: list[bytes]) -> str:
+    """The source text of ``node``, from the file's lines in UTF-8 (``ast.get_source_segment``
+    splits the whole file again at each call)."""
+    first, last = node.lineno - 1, (node.end_lineno or node.lineno) - 1
+    if last == first:
+        return encoded[first][node.col_offset:node.end_col_offset].decode("utf-8")
+    return b"".join([encoded[first][node.col_offset:], *encoded[first + 1:last],
+                     encoded[last][:node.end_col_offset]]).decode("utf-8")
+
+
+def _cut_to_length(text: str) -> str:
+    """``text``, or, past ``MAX_TRACED_NAME`` characters, its start, ``…`` and a hash of it
+    all, so that different texts stay different names."""
+    if len(text) <= MAX_TRACED_NAME:
+        return text
+    import hashlib  # here: it takes 3 ms of `import thing` (OpenSSL), for a rare name
+
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
+    return f"{text[:MAX_TRACED_NAME - 9]}…{digest}"
 
 
 def identifier_for(name: str) -> str:
@@ -420,6 +505,8 @@ def _normalise_whitespace(text: str) -> str:
 
     Works on tokens, so string literals (f-strings included) are kept exactly as written.
     """
+    if "#" not in text and not any(character.isspace() for character in text):
+        return text  # nothing to collapse or drop: most names (``loss``, ``h[3]``)
     # The parentheses make a multi-line expression one logical line, as it was in the call.
     wrapped = f"({text})"
     try:
