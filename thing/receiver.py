@@ -172,6 +172,7 @@ class Connection:
         self._writable = select.poll()
         self._writable.register(sock, select.POLLOUT)
         self._deadline = _ReadDeadline(settings.deadlines, sock, settings.idle_timeout)
+        self._frame_started = 0.0  # when the frame being read began: its pieces' deadlines
         self._stream = StreamReader(sock, before_wait=self._deadline.start)
         self._headers: dict[bytes, KnownHeader] = {}  # raw header -> what it tells
         # Those of them a run may store (see _receive_run): no notice, nothing to check.
@@ -402,6 +403,7 @@ class Connection:
         payload_in_stream = 0 if shared else payload_len
         # The whole frame must arrive at a minimum rate, so a peer that trickles cannot
         # hold a reservation (or a discard) for ever.
+        self._frame_started = time.monotonic()
         self._deadline.set(settings.idle_timeout + (
             header_len + payload_in_stream + self._trailer_size) / settings.min_rate)
         # Every frame is numbered and signed, refused ones too: none can be slipped in.
@@ -496,8 +498,18 @@ class Connection:
             views = [array.reshape(-1).view(np.uint8) for array in arrays if array.nbytes]
             # Evicting only as bytes come: a claim alone costs the history nothing.
             batches = [views] if payload_len <= RECEIVE_CHUNK else _batches(views, RECEIVE_CHUNK)
+            due = prefix.header_len
             for number, batch in enumerate(batches, 1):
-                charge.fill(sum(view.nbytes for view in batch))
+                size = sum(view.nbytes for view in batch)
+                charge.fill(size)
+                if len(batches) > 1:
+                    # Each piece by when the frame's bytes up to its end are due at the
+                    # minimum rate: a peer that claims much and sends a byte now and then
+                    # holds the store's room (refusing every other capture) for a piece's
+                    # time, not for the whole claim's (hours, for a claim of gigabytes).
+                    due += size + (self._trailer_size if number == len(batches) else 0)
+                    self._deadline.set(self._frame_started - time.monotonic()
+                                       + settings.idle_timeout + due / settings.min_rate)
                 self._stream.read_into([*batch, trailer] if number == len(batches) else batch)
         modified = self._check_trailer(trailer, signature)
         if self._stream.descriptors_waiting and not self._stream.buffered:

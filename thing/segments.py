@@ -298,6 +298,8 @@ def _read(path: Path, known_headers: KnownHeaders) -> Segment:
         if exc.errno == errno.ELOOP:
             raise BadRecording(f"{path} is a symbolic link; a recording's files must be "
                                "its own") from None
+        if exc.errno == errno.ENXIO:
+            raise BadRecording(f"{path} is not a regular file") from None
         raise
     try:
         info = os.fstat(descriptor)
@@ -391,7 +393,7 @@ def _tensor_table(document: dict[str, Any], data_len: int, path: Path) -> dict[s
             raise BadRecording(f"{path}: tensor {key[:100]!r} is not described by a dtype, "
                                "a shape and data offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in _ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
             raise BadRecording(f"{path}: tensor {key[:100]!r} has an unknown dtype")
         if not (isinstance(shape, list) and len(shape) <= 65
                 and all(wire.is_int(extent) and extent >= 0 for extent in shape)):

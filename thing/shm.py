@@ -91,7 +91,10 @@ def adopt(fd: int, specs: Sequence[LeafSpec]) -> tuple[list[np.ndarray], np.ndar
                                 "memfd)") from None
         if seals & _SEALS != _SEALS:
             raise ProtocolError("shared memory is not sealed against changes")
-        mapping = PrivateMapping(fd, total)
+        try:
+            mapping = PrivateMapping(fd, total)
+        except OSError as exc:  # a descriptor that cannot be read (write-only, say)
+            raise ProtocolError(f"the shared memory sent cannot be mapped: {exc}") from None
     finally:
         os.close(fd)
     base = np.frombuffer(mapping, np.uint8)
