@@ -15,7 +15,6 @@ In a REPL or notebook::
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import threading
 from typing import TYPE_CHECKING, Any
@@ -37,6 +36,7 @@ from .errors import (
     VersionOutOfRange,
 )
 from .handles import REENTERED, SKIPPED, busy, working
+from .log import log
 
 if TYPE_CHECKING:
     from .captures import Capture
@@ -96,8 +96,6 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 
-# A library stays quiet unless the application configured logging.
-logging.getLogger("thing").addHandler(logging.NullHandler())
 # Name this job's run now: processes it spawns or forks before its first catch join it.
 run_names.name_this_job()
 
@@ -221,7 +219,7 @@ def _cannot_send(exc: Exception) -> CaptureHandle:
     reason = f"not sent: {exc}"
     if not _said_cannot_send:
         _said_cannot_send = True
-        logging.getLogger("thing").warning("thing.catch cannot send anything: %s", exc)
+        log.warning("thing.catch cannot send anything: %s", exc)
     return CaptureHandle(None, reason)
 
 

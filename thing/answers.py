@@ -11,7 +11,6 @@ off by the network for the next call, so reading never holds up sending.
 from __future__ import annotations
 
 import errno
-import logging
 import select
 import socket
 import time
@@ -19,9 +18,8 @@ from collections.abc import Callable
 
 from . import auth, wire
 from .errors import ProtocolError
+from .log import log
 from .stream import NotArrived, StreamReader
-
-log = logging.getLogger("thing")
 
 # Acknowledgements settled together at most (one lock, one wake-up of a blocked catch).
 SETTLE_BATCH = 256

@@ -20,7 +20,6 @@ leaves (:func:`sparse_parts`) and are put together again, checked first, by
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
 import warnings
 from typing import Any, NamedTuple
@@ -29,8 +28,7 @@ import numpy as np
 
 from ._core import bytes_at
 from .errors import ProtocolError, UnsupportedType
-
-log = logging.getLogger("thing")
+from .log import log
 
 # The wire's byte order is little-endian: a tensor's memory is sent as it is only here.
 _LITTLE_ENDIAN = sys.byteorder == "little"

@@ -8,7 +8,6 @@ torch tensor, a dict of arrays, ...) only when first asked for; the store
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -17,9 +16,8 @@ from typing import Any
 import numpy as np
 
 from .arrays import CARRIER_DTYPES, LeafSpec, leaf_bytes
+from .log import log
 from .wire import ReceivedValue, take_apart
-
-log = logging.getLogger("thing")
 
 
 @dataclass(frozen=True)

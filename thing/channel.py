@@ -42,12 +42,11 @@ from .dial import TRANSPORT_NAMES, dial
 from .errors import ProtocolError
 from .frames import Finished, Headers, Pending, Undelivered, new_pending
 from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle, busy, working
+from .log import log
 from .names import CallSite
 from .overrides import Overrides
 from .send_queue import SendQueue
 from .sockets import is_this_host, shutdown
-
-log = logging.getLogger("thing")
 
 # Captures below SMALL_BYTES are sent together, once a tick of TICK_SECONDS, at most
 # BATCH at a time: delivery up to a tick later, for far fewer thread wake-ups (each costs

@@ -19,7 +19,6 @@ Every capture a process caught is delivered when it ends, within
 from __future__ import annotations
 
 import atexit
-import logging
 import operator
 import os
 import sys
@@ -31,13 +30,13 @@ from typing import TYPE_CHECKING, Any
 from . import _core, config
 from .errors import UnsupportedType
 from .handles import CLOSED, REENTERED, SKIPPED, CaptureHandle, busy, interrupting, working
+from .log import log
 from .names import CallSite, NameTracer
 
 if TYPE_CHECKING:
     from .channel import Channel
     from .overrides import Overrides
 
-log = logging.getLogger("thing")
 
 # How long close() waits, at most, for its channels' threads to read their last answers
 # and end (after any flush).

@@ -6,13 +6,13 @@ or a notebook can change a variable and then create a client or a server.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 
+from .log import log
+
 DEFAULT_PORT = 2875
 
-_log = logging.getLogger("thing")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -29,7 +29,7 @@ def _env_float(name: str, default: float) -> float:
         value = math.nan
     if not math.isfinite(value):
         # A typo in a variable must not stop a training job: say so and go on.
-        _log.warning("ignoring %s=%r: not a number; using %s", name, raw, default)
+        log.warning("ignoring %s=%r: not a number; using %s", name, raw, default)
         return default
     return value
 
@@ -121,7 +121,7 @@ def control() -> bool:
     if raw in ("", "1", "true", "yes", "on"):
         return True
     if raw not in ("0", "false", "no", "off"):
-        _log.warning("THING_CONTROL=%r is not 0 or 1: refusing the REPL's steering", raw)
+        log.warning("THING_CONTROL=%r is not 0 or 1: refusing the REPL's steering", raw)
     return False
 
 
@@ -142,7 +142,7 @@ def transport() -> str:
     """
     value = os.environ.get("THING_TRANSPORT", "").strip().lower() or "auto"
     if value not in ("auto", "tcp", "unix", "shm"):
-        _log.warning("ignoring THING_TRANSPORT=%r: use auto, tcp, unix or shm", value)
+        log.warning("ignoring THING_TRANSPORT=%r: use auto, tcp, unix or shm", value)
         return "auto"
     return value
 

@@ -37,7 +37,6 @@ def _data(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
 
 def train_numpy(steps: int = STEPS, learning_rate: float = 0.2) -> Any:
     """Fit a 4-16-1 tanh MLP by hand-written gradient descent, catching as it goes."""
-    import thing
 
     class Linear:
         def __init__(self, rng: np.random.Generator, n_in: int, n_out: int):
@@ -67,11 +66,7 @@ def train_numpy(steps: int = STEPS, learning_rate: float = 0.2) -> Any:
         model.hidden.weight -= learning_rate * (d_hidden.T @ x)
         model.hidden.bias -= learning_rate * d_hidden.sum(axis=0)
 
-        handle = thing.catch(loss)
-        # The weights change in place every step: copy=True sends a snapshot of this one.
-        thing.catch(model.hidden.weight, every=10, copy=True)
-        activations = {"hidden": hidden, "prediction": prediction}
-        thing.catch(activations, every=10)
+        handle = _catch_step(loss, model, hidden, prediction)
         _progress(step, steps, float(loss))
     return handle
 
@@ -79,8 +74,6 @@ def train_numpy(steps: int = STEPS, learning_rate: float = 0.2) -> Any:
 def train_torch(steps: int = STEPS, learning_rate: float = 0.2) -> Any:
     """Fit the same MLP with torch, catching as it goes."""
     import torch
-
-    import thing
 
     class MLP(torch.nn.Module):
         def __init__(self) -> None:
@@ -104,12 +97,22 @@ def train_torch(steps: int = STEPS, learning_rate: float = 0.2) -> Any:
         loss.backward()
         optimizer.step()
 
-        handle = thing.catch(loss)
-        # optimizer.step() updates the weights in place: copy=True sends a snapshot of this one.
-        thing.catch(model.hidden.weight, every=10, copy=True)
-        activations = {"hidden": hidden, "prediction": prediction}
-        thing.catch(activations, every=10)
+        handle = _catch_step(loss, model, hidden, prediction)
         _progress(step, steps, loss.item())
+    return handle
+
+
+def _catch_step(loss: Any, model: Any, hidden: Any, prediction: Any) -> Any:
+    """A step's catch lines, as a training loop has them. One place for both loops: the same
+    expression caught in two functions of a file is two names (``loss``, ``loss_1``)."""
+    import thing
+
+    handle = thing.catch(loss)
+    # The weights change in place every step (optimizer.step(), or by hand): copy=True sends
+    # a snapshot of this one.
+    thing.catch(model.hidden.weight, every=10, copy=True)
+    activations = {"hidden": hidden, "prediction": prediction}
+    thing.catch(activations, every=10)
     return handle
 
 

@@ -18,7 +18,6 @@ what it cached, and works out on its own thread what it has not reached yet
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
@@ -33,10 +32,9 @@ from .array_stats import ArrayStats, array_stats, as_float64, value_histogram
 from .captures import Capture
 from .display import say_once
 from .errors import UnknownName
+from .log import log
 from .store import ALL_RUNS, HistoryStore
 from .wire import SINGLE_LEAF
-
-log = logging.getLogger("thing")
 
 COLUMNS = ("step", "rank", "arrived", "shape", "min", "max", "mean", "std", "norm", "nan",
            "inf")

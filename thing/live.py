@@ -19,7 +19,6 @@ The server keeps receiving in every case, and after the watching stops.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -36,13 +35,13 @@ from .display import (
     say,
     terminal_width,
 )
+from .log import log
 from .reports import bytes_text, clock, flag, rank_text, row_kind, sender_text
 from .store import HistoryStore
 
 if TYPE_CHECKING:
     from .server import ServerInfo
 
-log = logging.getLogger("thing")
 
 REFRESH = 0.25  # seconds between redraws at most, and between spinner steps
 MIN_INTERVAL = 0.1  # a flood of arrivals must not turn redrawing into a busy loop

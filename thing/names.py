@@ -48,7 +48,6 @@ import io
 import itertools
 import keyword
 import linecache
-import logging
 import re
 import sys
 import threading
@@ -57,7 +56,7 @@ import types
 import weakref
 from typing import Any, Callable, NamedTuple, Optional
 
-log = logging.getLogger("thing")
+from .log import log
 
 # Tokens that only lay out the source; dropped when the argument's text is normalised.
 _LAYOUT_TOKENS = frozenset(

@@ -32,17 +32,16 @@ seconds after its last connection ended, then returns to its own.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 from . import wire
+from .log import log
 
 if TYPE_CHECKING:
     from ._core import Throttle, Throttles
 
-log = logging.getLogger("thing")
 
 # Names a table holds settings or requests for; beyond, new ones are ignored (a server
 # cannot grow a job's memory, nor the time each message takes to apply, without end).

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import importlib
 import io
-import logging
 import os
 import shutil
 import sys
@@ -36,13 +35,13 @@ import numpy as np
 from . import live
 from .display import elide, in_notebook, print_drawing, say, say_once, terminal_width
 from .errors import ArgumentError, ThingError
+from .log import log
 from .plot_series import AUTO, DEFAULT_BINS, Chart, Histogram, Names, chart, histogram
 from .reports import number
 from .store import HistoryStore
 
 Drawing = Union[Chart, Histogram]
 
-log = logging.getLogger("thing")
 
 INSTALL_HINT = ("pip install 'thing[plot]' draws plots: matplotlib in Jupyter and for "
                 "file=, uniplot in a terminal")

@@ -18,7 +18,6 @@ first: a client is never told that a capture the server kept was lost.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 import select
@@ -43,8 +42,6 @@ from .send_queue import NOT_DELIVERED_REASONS
 from .sockets import set_timeouts
 from .store import Announcement, HistoryStore, UnsentNotice
 from .stream import StreamReader
-
-log = logging.getLogger("thing")
 
 # Acknowledgements sent in one write at most; a client waits for no more than this many.
 ACK_BATCH = 64

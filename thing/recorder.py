@@ -21,7 +21,6 @@ segment that can be written; writing resumes by itself when there is room.
 from __future__ import annotations
 
 import errno
-import logging
 import math
 import os
 import queue
@@ -34,6 +33,7 @@ from typing import NamedTuple, Optional
 
 from .captures import Capture
 from .errors import ArgumentError, ThingError
+from .log import log
 from .recording import (
     MAX_SEGMENT_NUMBER,
     PathLike,
@@ -43,8 +43,6 @@ from .recording import (
 )
 from .segments import clear_staging, commit, write_segment, write_unflushed
 from .store import HistoryStore
-
-log = logging.getLogger("thing")
 
 DISK_FULL = "disk full"
 FALLING_BEHIND = "recorder behind"  # more waiting to be written than it may hold

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import logging
 import os
 import re
 import secrets
@@ -23,10 +22,9 @@ from typing import Union
 
 from .captures import Capture, Sender
 from .errors import BadRecording, ThingError
+from .log import log
 from .segments import STAGING, KnownHeaders, Segment, read_segment, write_segment
 from .store import ALL_RUNS, HistoryStore
-
-log = logging.getLogger("thing")
 
 PathLike = Union[str, "os.PathLike[str]"]
 SEGMENT_NAME = re.compile(r"segment-(\d{6,18})\.safetensors")

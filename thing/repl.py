@@ -21,10 +21,9 @@ from typing import Any, TypeVar
 
 from .captures import value_of
 from .errors import ArgumentError, NotServing, ThingError
+from .log import log
 from .server import Server
 from .store import Announcement, HistoryStore, Run
-
-log = logging.getLogger("thing")
 
 _server: Server | None = None
 # The history loaded with thing.load() before any server ran: what the REPL functions read

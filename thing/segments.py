@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import logging
 import math
 import os
 import re
@@ -39,10 +38,9 @@ from ._core import map_file
 from .arrays import CARRIER_DTYPES, LeafSpec
 from .captures import Capture, Sender
 from .errors import BadRecording, ProtocolError
+from .log import log
 from .receiver import KnownHeader
 from .run_names import MAX_RUN_NAME
-
-log = logging.getLogger("thing")
 
 FORMAT = "thing-history"
 FORMAT_VERSION = 1

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import Counter
 
-log = logging.getLogger("thing")
+from .log import log
 
 # Why captures were not delivered, as the client tells the server (Client.undelivered also
 # counts "refused": the server's own refusals, which it counted itself).

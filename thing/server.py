@@ -25,6 +25,7 @@ from .buffers import ReceiveBuffers
 from .captures import Capture, Sender, value_of
 from .errors import ArgumentError, HandshakeError, ProtocolError
 from .history_stats import StatsWorker
+from .log import log
 from .overrides import Statement
 from .sockets import (
     listen,
@@ -41,7 +42,6 @@ from .store import Announcement, HistoryStore, Run
 if TYPE_CHECKING:
     from .recorder import Recorder
 
-log = logging.getLogger("thing")
 
 # How long close() waits, in all, for connections to send the answers they owe and end;
 # then any still sending (to a peer that reads nothing) is cut off.

@@ -15,20 +15,19 @@ along, and holds nothing it no longer should. The client applies them
 
 from __future__ import annotations
 
-import logging
 import secrets
 import threading
 from typing import TYPE_CHECKING, Optional
 
 from . import wire
 from .errors import ArgumentError, ArgumentTypeError
+from .log import log
 from .overrides import MAX_RANKED_STATEMENTS, MAX_STEERED_NAMES, SettingsTable, Statement
 from .sockets import shutdown
 
 if TYPE_CHECKING:
     from .receiver import Connection
 
-log = logging.getLogger("thing")
 
 
 class Steering:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import logging
 import numbers
 import os
 import sys
@@ -30,10 +29,9 @@ from ._core import untrack
 from .arrays import LeafSpec
 from .captures import Capture, Sender
 from .errors import ArgumentError, ArgumentTypeError, LimitExceeded, UnknownName, VersionOutOfRange
+from .log import log
 from .names import identifier_for
 from .wire import ReceivedValue, build_value
-
-log = logging.getLogger("thing")
 
 # What one capture's record costs beyond its array bytes: the Capture object, its
 # Sender, its LeafSpecs and dictionary entries. Charged so that a flood of tiny

@@ -10,8 +10,9 @@ older source, left in place).
 
 from __future__ import annotations
 
-import logging
 import os
+
+from ..log import log
 
 # What both cores provide, and this package takes from the one it chose.
 _MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "bytes_at", "copy_into", "map_file",
@@ -33,7 +34,7 @@ def _say_not_built(exc: ImportError) -> None:
                   "outside that folder to use the installed thing")
     else:
         remedy = "reinstall thing (`python -m pip install --force-reinstall thing`)"
-    logging.getLogger("thing").warning(
+    log.warning(
         "thing's compiled core is not built for this source (%s), so thing runs on its "
         "slower pure-Python twin. Imported from %s: %s.", exc, package, remedy)
 
