@@ -1078,6 +1078,32 @@ def send_shared(sock: socket.socket, array: np.ndarray, seq: int) -> tuple[int, 
     return read_ack(sock)
 
 
+def test_memory_freed_under_the_copy_into_a_memfd_is_an_error_not_a_crash() -> None:
+    """A tensor moved into shared memory while it is copied for the hand-off: the kernel
+    copies it (pwrite), so the memory gone is EFAULT, not a segmentation fault of the job."""
+    out = run_script(
+        """
+        import ctypes, errno, mmap, numpy as np
+        from thing import shm
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        size = 1 << 20
+        address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address))
+        assert libc.munmap(address, size) == 0
+        try:
+            shm.export([np.zeros(100, np.uint8), view])
+        except OSError as exc:
+            print(errno.errorcode[exc.errno])
+        """
+    )
+    assert out.strip() == "EFAULT"
+
+
 def test_mappings_given_back_are_counted_off_not_kept() -> None:
     """The server counts the mappings evicted captures gave back: its books stay as small
     as what it keeps mapped, however many captures come and go."""

@@ -68,6 +68,10 @@ MAX_IN_FLIGHT = 128
 # What the handle of a capture says that was let through at its call, and paused before it
 # was queued (see _queue_up and _learn_settings).
 PAUSED = "skipped: paused by the REPL"
+# Why a capture whose memory was freed while it was read is not sent (see arrays.torn).
+MEMORY_FREED = ("not sent: its memory was freed while it was sent (share_memory_(), as "
+                "DataLoader and multiprocessing queues do to what they pass on); "
+                "catch(..., copy=True) copies it at the call")
 # How long hurry() waits for the lock before it leaves flags for the next tick instead.
 HURRY_LOCK_SECONDS = 0.001
 
@@ -713,10 +717,7 @@ class Channel:
             except OSError as exc:
                 if exc.errno == errno.EFAULT:  # the kernel found the memory gone: see torn()
                     with self._mutex:
-                        self._cut_short[seq] = (
-                            "not sent: its memory was freed while it was sent (share_memory_(), "
-                            "as DataLoader and multiprocessing queues do to what they pass "
-                            "on); catch(..., copy=True) copies it at the call")
+                        self._cut_short[seq] = MEMORY_FREED
                 raise
         # The bytes are in the kernel: drop our references so the arrays can be freed.
         payload.leaves.clear()
@@ -734,10 +735,14 @@ class Channel:
 
     def _send_shared(self, sock: socket.socket, mac: auth.SessionMac | None, seq: int,
                      pending: Pending, header: bytes, views: list) -> bool:
-        """Hand the payload over in a sealed memfd; False (and nothing sent) if that fails."""
+        """Hand the payload over in a sealed memfd; False (and nothing sent) if that fails,
+        True once it is handed over, or failed for good before anything was sent."""
         try:
             fd = shm.export(views)
         except OSError as exc:  # out of descriptors or memory: the stream still works
+            if exc.errno == errno.EFAULT:  # freed while copied: see torn()
+                self._finish(seq, None, MEMORY_FREED, "failed")
+                return True
             self._log_once("shm", logging.WARNING,
                            "shared memory unavailable (%s); sending inline", exc)
             return False

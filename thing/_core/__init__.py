@@ -15,7 +15,7 @@ import os
 from ..log import log
 
 # What both cores provide, and this package takes from the one it chose.
-_MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "bytes_at", "copy_into", "map_file",
+_MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "bytes_at", "map_file",
            "recv_buffers", "recv_some", "send_buffers", "split_small_frames", "split_stored_acks",
            "untrack", "wake")
 _THROTTLES = ("Throttle", "Throttles", "gated")
@@ -64,7 +64,6 @@ else:
 MAX_DESCRIPTORS: int = _movers.MAX_DESCRIPTORS
 PrivateMapping = _movers.PrivateMapping
 bytes_at = _movers.bytes_at
-copy_into = _movers.copy_into
 map_file = _movers.map_file
 recv_buffers = _movers.recv_buffers
 recv_some = _movers.recv_some

@@ -384,28 +384,6 @@ def split_small_frames(buffer, Py_ssize_t limit, Py_ssize_t max_payload,
         PyBuffer_Release(&view)
 
 
-def copy_into(destination, source) -> int:
-    """Copy all bytes of ``source`` into the start of writable ``destination``; return the count.
-
-    One ``memcpy`` with the GIL released: the single copy of the shared-memory path.
-    """
-    cdef Py_buffer dst
-    cdef Py_buffer src
-    PyObject_GetBuffer(destination, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
-    try:
-        PyObject_GetBuffer(source, &src, PyBUF_C_CONTIGUOUS)
-        try:
-            if src.len > dst.len:
-                raise ValueError(f"cannot copy {src.len} bytes into {dst.len}")
-            with nogil:
-                memcpy(dst.buf, src.buf, <size_t>src.len)
-            return src.len
-        finally:
-            PyBuffer_Release(&src)
-    finally:
-        PyBuffer_Release(&dst)
-
-
 def bytes_at(size_t address, Py_ssize_t nbytes):
     """A copy of the ``nbytes`` bytes of memory at ``address``, made with the GIL held.
 

@@ -159,16 +159,6 @@ def split_small_frames(buffer: object, limit: int, max_payload: int,
     return frames
 
 
-def copy_into(destination: object, source: object) -> int:
-    """Copy all bytes of ``source`` into the start of writable ``destination``; return the count."""
-    src = _byte_view(source, writable=False)
-    dst = _byte_view(destination, writable=True)
-    if src.nbytes > dst.nbytes:
-        raise ValueError(f"cannot copy {src.nbytes} bytes into {dst.nbytes}")
-    dst[: src.nbytes] = src
-    return src.nbytes
-
-
 def bytes_at(address: int, nbytes: int) -> bytes:
     """A copy of the ``nbytes`` bytes of memory at ``address`` (see the compiled core's)."""
     import ctypes  # only the twin needs it, and only once a tensor is snapshotted
