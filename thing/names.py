@@ -56,8 +56,6 @@ import types
 import weakref
 from typing import Any, Callable, NamedTuple, Optional
 
-from .log import log
-
 # Tokens that only lay out the source; dropped when the argument's text is normalised.
 _LAYOUT_TOKENS = frozenset(
     {
@@ -79,6 +77,7 @@ _FSTRING_START = getattr(tokenize, "FSTRING_START", None)
 _FSTRING_END = getattr(tokenize, "FSTRING_END", None)
 # What _argument_at answers for source text that the running code was not compiled from.
 _STALE: Any = object()
+_PARSING = threading.Lock()  # see _parse
 
 
 class CallSite(NamedTuple):
@@ -128,8 +127,10 @@ class NameTracer:
         self._in_file_order: dict[str, tuple[list[str], dict[str, list[str]]]] = {}
 
     def after_fork(self) -> None:
-        """In a forked child: another thread of the parent may have held the lock."""
+        """In a forked child: another thread of the parent may have held a lock."""
+        global _PARSING
         self._lock = threading.Lock()
+        _PARSING = threading.Lock()
 
     def name_for(self, frame: types.FrameType) -> tuple[str, CallSite]:
         """Return the name and call site of the call that ``frame`` is executing.
@@ -171,7 +172,7 @@ class NameTracer:
         try:
             text = self._trace(frame, site)
         except Exception as exc:  # a name is never worth failing a training step for
-            log.debug("could not trace a capture name (%r); using a fallback", exc)
+            _debug("could not trace a capture name (%r); using a fallback", exc)
             text = None
         # Interactive code (IPython and Jupyter cells, python -i, exec of a string) runs in
         # __main__, or in a namespace without a name: one module, so a re-run cell keeps
@@ -240,14 +241,14 @@ class NameTracer:
                 lines = linecache.getlines(code.co_filename, frame.f_globals)
                 argument = _argument_at(lines, positions, self.keyword, code)
             if argument is _STALE:
-                log.debug("the source of %s:%s is not the text its code was compiled from "
+                _debug("the source of %s:%s is not the text its code was compiled from "
                           "(edited since?); using a fallback name", site.file, site.line)
                 return None
         else:
             argument = self._argument_on_line(code.co_filename, lines, site.line)
         if argument is None:
             why = "no source" if not lines else "no single first argument found in the source"
-            log.debug("%s for the capture at %s:%s; using a fallback name",
+            _debug("%s for the capture at %s:%s; using a fallback name",
                       why, site.file, site.line)
             return None
         return _cut_to_length(argument)
@@ -261,9 +262,12 @@ class NameTracer:
         if cached is not None and cached[0] is lines:
             return cached[1]
         try:
-            order = _functions_catching(ast.parse("".join(lines)), lines, self.keyword)
-        except (SyntaxError, ValueError, RecursionError):
+            order = _functions_catching(_parse("".join(lines)), lines, self.keyword)
+        except (SyntaxError, ValueError, RecursionError):  # not Python: first-catch order
             order = {}
+        except Exception as exc:  # CPython 3.11's parser racing another thread's: next time
+            _debug("could not read the catch calls of %s (%r): first-catch order", filename, exc)
+            return {}
         with self._lock:
             self._in_file_order[filename] = (lines, order)
         return order
@@ -275,7 +279,7 @@ class NameTracer:
         if cached is None or cached[0] is not lines:
             source = "".join(lines)
             try:
-                tree: Optional[ast.Module] = ast.parse(source)
+                tree: Optional[ast.Module] = _parse(source)
             except (SyntaxError, ValueError):
                 tree = None
             cached = self._parsed[filename] = (lines, source, tree)
@@ -390,6 +394,22 @@ def call_site(frame: types.FrameType) -> CallSite:
     return CallSite(code.co_filename, line, getattr(code, "co_qualname", code.co_name))
 
 
+def _parse(source: str, mode: str = "exec") -> Any:
+    """``ast.parse``, one thread at a time: CPython 3.11's parser, run by two threads at once,
+    can fail ("AST constructor recursion depth mismatch"), and a site would then keep a
+    fallback name."""
+    with _PARSING:
+        return ast.parse(source, mode=mode)
+
+
+def _debug(message: str, *args: Any) -> None:
+    """Why a name fell back, for whoever turned on debug logging. Not thing.log's logger:
+    this module stands alone (its tests load it by path), and logging loads only here."""
+    import logging
+
+    logging.getLogger("thing").debug(message, *args)
+
+
 def _fallback_name(site: CallSite) -> str:
     return f"{site.function}:{site.line}"
 
@@ -430,7 +450,7 @@ def _argument_at(
         chunk[-1] = chunk[-1][:end_column]
     expression = b"".join(chunk).decode("utf-8")
     try:
-        call = ast.parse(expression, mode="eval").body
+        call = _parse(expression, "eval").body
     except (SyntaxError, ValueError):
         return None
     if not isinstance(call, ast.Call):

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 
-from ..log import log
-
 # What both cores provide, and this package takes from the one it chose.
 _MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "bytes_at", "map_file",
            "recv_buffers", "recv_some", "send_buffers", "split_small_frames", "split_stored_acks",
@@ -34,7 +32,11 @@ def _say_not_built(exc: ImportError) -> None:
                   "outside that folder to use the installed thing")
     else:
         remedy = "reinstall thing (`python -m pip install --force-reinstall thing`)"
-    log.warning(
+    # Straight to logging, before thing's NullHandler (thing/log.py) is added: with no
+    # logging configured, this one warning is printed.
+    import logging
+
+    logging.getLogger("thing").warning(
         "thing's compiled core is not built for this source (%s), so thing runs on its "
         "slower pure-Python twin. Imported from %s: %s.", exc, package, remedy)
 
