@@ -336,6 +336,15 @@ def test_other_tensor_layouts_are_refused_with_one_line() -> None:
 # -- numpy structured scalars -----------------------------------------------------------------
 
 
+def test_numpy_bytes_and_str_scalars_arrive_as_bytes_and_str() -> None:
+    """np.bytes_ is a bytes, as np.str_ is a str: it was refused ("dtype |S2")."""
+    for value in (np.bytes_(b"a\x00b"), np.bytes_(b""), np.str_("ü")):
+        received = _round_trip(value)
+        assert type(received) is (bytes if isinstance(value, bytes) else str)
+        assert received == value
+    assert _round_trip({"k": [np.bytes_(b"\xff")]}) == {"k": [b"\xff"]}
+
+
 def test_numpy_structured_scalars_arrive_as_dicts_of_their_fields() -> None:
     kind = np.dtype([("loss", "f4"), ("ids", "i8", (2,)), ("tag", "U4"),
                      ("inner", [("x", "f8"), ("flag", "?")])])

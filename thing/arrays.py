@@ -139,9 +139,9 @@ def describe_leaf(obj: Any) -> Leaf | None:
     if masked is not None and isinstance(obj, masked.MaskedArray):
         raise UnsupportedType("cannot send a numpy masked array: its mask would be lost "
                               "(catch its .filled(value), or its .data and .mask)")
-    if isinstance(obj, (np.ndarray, np.generic)):
+    if isinstance(obj, (np.ndarray, np.generic)) and not isinstance(obj, np.bytes_):
         return _numpy_leaf(obj)
-    if isinstance(obj, (bytes, bytearray, memoryview)):
+    if isinstance(obj, (bytes, bytearray, memoryview)):  # np.bytes_ too: it is a bytes
         view = memoryview(obj).cast("B")
         return Leaf(LeafSpec("bytes", "uint8", (view.nbytes,)), view, view.nbytes)
     jax = sys.modules.get("jax")
