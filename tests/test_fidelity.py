@@ -494,3 +494,32 @@ def test_cuda_tensors_on_a_device_that_is_not_current(server: thing.Server) -> N
         for i, got in enumerate(server.get_all(name)):
             assert bool((got == i).all()), f"{name} capture {i}"
         assert all(c.consistent for c in server.store.get_all(name))
+
+
+def test_a_cuda_tensor_made_on_another_stream_and_let_go_arrives(server: thing.Server) -> None:
+    """Made on a side stream, caught while the current stream is busy (the copy waits
+    behind that work), then let go: its memory must not go back to the side stream's pool,
+    to be overwritten there, before the copy has read it."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    run_script(
+        """
+        import torch, thing
+        side = torch.cuda.Stream()
+        handles = []
+        for i in range(10):
+            with torch.cuda.stream(side):
+                x = torch.full((1 << 22,), float(i), device="cuda")
+            side.synchronize()
+            torch.cuda._sleep(50_000_000)  # the current stream, busy for tens of ms
+            handles.append(thing.catch(x, name="side-made", block=True))
+            del x
+            with torch.cuda.stream(side):  # the freed block is the one this would take
+                torch.full((1 << 22,), -1.0, device="cuda")
+        assert all(h.wait(60) for h in handles), [h.error for h in handles if h.id is None]
+        """,
+        server.port,
+        timeout=180,
+    )
+    for i, got in enumerate(server.get_all("side-made")):
+        assert bool((got == i).all()), f"capture {i}"

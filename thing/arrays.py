@@ -275,6 +275,9 @@ def _hold_tensor(leaf: Leaf, tensor: Any, snapshot: bool) -> None:
         # be the current device: the event must be recorded on that same stream.
         stream = torch.cuda.current_stream(tensor.device)
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        # Made on another stream, its memory could go back to that stream's pool when the
+        # caller lets go of it, and be written there before this copy has read it.
+        tensor.record_stream(stream)
         with torch.cuda.stream(stream):
             host.copy_(tensor, non_blocking=True)
             leaf.ready = torch.cuda.Event()
