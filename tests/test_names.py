@@ -316,6 +316,31 @@ def test_distinct_sites_get_suffixes_in_the_order_of_their_file(client, tmp_path
     assert (module.a(2), module.b(2), module.c(2)) == ("loss", "loss_1", "loss_2")
 
 
+def test_only_catches_that_trace_take_a_place_in_the_files_order(client, tmp_path):
+    """A catch given its name, or in a lambda that is a default argument (defined in the
+    enclosing scope): neither may take ``loss`` or ``t`` from the one catch of it that
+    traces."""
+    path = tmp_path / "named_elsewhere.py"
+    path.write_text(textwrap.dedent("""
+        def train(loss):
+            return client.catch(loss, name="train_loss"), client.catch(loss, "again")
+
+        def register(hook=lambda t: client.catch(t)):
+            return hook
+
+        def evaluate(t):
+            return [client.catch(value) for value in (t,)]
+
+        def validate(loss):
+            return client.catch(loss)
+    """))
+    module = load_module(path, "named_elsewhere")
+    module.client = client
+    assert module.validate(2.0) == "loss"  # train()'s catches are named by their caller
+    assert module.register()(3.0) == "t"
+    assert module.evaluate(4.0) == ["value"]
+
+
 def test_processes_that_catch_in_another_order_agree_on_the_names(tmp_path):
     (tmp_path / "job.py").write_text(SUBPROCESS_PRELUDE + textwrap.dedent("""
         class Samples:

@@ -244,15 +244,19 @@ def hold(leaf: Leaf, copy: bool | None, snapshot_bytes: int) -> None:
         source.copy_to_host_async()
     elif not source.is_ready():
         # Still being computed, and may be donated to the next step: copied by jax, which
-        # does not wait for it (waiting here would block the caller).
-        leaf.source = source.copy()
-    else:
+        # does not wait for it (waiting here would block the caller); copy=False reads it
+        # in place as asked, and a step that donates it first makes it "not sent".
+        if copy is not False:
+            leaf.source = source.copy()
+    elif snapshot:
         # Immutable, unless it shares memory with another framework's array (dlpack), which
         # may change it: snapshotted like any array (a view of it costs jax about 2 us).
-        # Read in place, it is held as that view: jax does not donate a buffer that
-        # numpy holds to the next step (which would delete the array before it is sent).
-        view = np.asarray(source)
-        leaf.source = _snapshot_array(view) if snapshot else view
+        leaf.source = _snapshot_array(np.asarray(source))
+    elif len(source.sharding.device_set) == 1:
+        # Read in place, it is held as a numpy view: jax does not donate a buffer that numpy
+        # holds to the next step (which would delete the array before it is sent). One
+        # across devices is gathered by the sender thread: numpy would copy it here.
+        leaf.source = np.asarray(source)
 
 
 def _snapshot_array(array: np.ndarray) -> bytes:
