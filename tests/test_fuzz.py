@@ -15,6 +15,7 @@ Three layers:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -186,23 +187,33 @@ def read_like_the_server(data: bytes, limits: wire.Limits = LIMITS,
         counts=ReceiveCounts(),
         closing=threading.Event(), warn=lambda address, message: None, steering="fuzz",
     )
-    ours, theirs = socket.socketpair()
-    with ours, theirs:
-        writer = threading.Thread(target=_send_then_end, args=(ours, data))
-        writer.start()
-        try:
-            connection = Connection(theirs, "fuzz", settings)
-            if handshake:
-                connection.handshake()
-            connection.serve()
-        finally:
-            theirs.shutdown(socket.SHUT_RDWR)
-            writer.join()
+    serve_against(lambda sock: send_then_end(sock, data), settings, greet=handshake)
     # Building the values is part of what the server does with a frame (for the REPL).
     return [capture.value for capture in store.recent(len(store))]
 
 
-def _send_then_end(sock: socket.socket, data: bytes) -> None:
+def serve_against(peer: Callable[[socket.socket], Any], settings: ReceiveSettings,
+                  greet: bool = False) -> None:
+    """Run ``peer`` on one end of a Unix socketpair, on a thread of its own, and the
+    server's own connection reader on the other (its handshake, if ``greet``, then its
+    frames). Raises what the reader raises."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        thread = threading.Thread(target=peer, args=(ours,))
+        thread.start()
+        try:
+            connection = Connection(theirs, "fuzz", settings)
+            if greet:
+                connection.handshake()
+            connection.serve()
+        finally:
+            with contextlib.suppress(OSError):
+                theirs.shutdown(socket.SHUT_RDWR)
+            thread.join()
+
+
+def send_then_end(sock: socket.socket, data: bytes) -> None:
+    """A peer that sends ``data`` and ends its side."""
     try:
         sock.sendall(data)
         sock.shutdown(socket.SHUT_WR)

@@ -22,6 +22,7 @@ that reader is documented to raise:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fcntl
 import json
@@ -34,7 +35,7 @@ import struct
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ from thing.arrays import LeafSpec
 from thing.buffers import ReceiveBuffers
 from thing.errors import BadRecording, ProtocolError
 from thing.overrides import Overrides
-from thing.receiver import Connection, Deadlines, HeaderBudget, ReceiveCounts, ReceiveSettings
+from thing.receiver import Deadlines, HeaderBudget, ReceiveCounts, ReceiveSettings
 from thing.server import ServerInfo
 from thing.store import HistoryStore
 
@@ -63,6 +64,8 @@ from .test_fuzz import (
     mutate_bytes,
     mutate_header,
     read_like_the_server,
+    send_then_end,
+    serve_against,
 )
 
 TOKEN = "fuzz-token"
@@ -110,28 +113,6 @@ def end_writing(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_WR)
     except OSError:
         pass
-
-
-def serve_against(peer: Callable[[socket.socket], None], connection_settings: ReceiveSettings,
-                  greet: bool = True) -> None:
-    """Run ``peer`` on one end of a Unix socketpair and the server's own reader on the other
-    (its handshake, if ``greet``, then its frames). Raises what the reader raises."""
-    ours, theirs = socket.socketpair()
-    thread = threading.Thread(target=peer, args=(ours,))
-    thread.start()
-    try:
-        connection = Connection(theirs, "fuzz", connection_settings)
-        if greet:
-            connection.handshake()
-        connection.serve()
-    finally:
-        try:
-            theirs.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        thread.join()
-        ours.close()
-        theirs.close()
 
 
 # -- the client's reader of what a server sends ------------------------------------------------
@@ -221,6 +202,18 @@ class Done(Exception):
     """A hostile peer has sent a broken message: it ends its side, so that nobody waits."""
 
 
+@contextlib.contextmanager
+def peer_side(sock: socket.socket) -> Iterator[None]:
+    """A hostile peer's turn: however it ends (the reader hung up, a message cut short), its
+    side of the stream ends with it."""
+    try:
+        yield
+    except (OSError, Done):
+        pass
+    finally:
+        end_writing(sock)
+
+
 def send_maybe_mutated(sock: socket.socket, data: bytes, rng: random.Random,
                        chance: float) -> bytes:
     """Send ``data``, or a mutation of it and then the end of the stream (raising Done): a
@@ -250,7 +243,7 @@ class HostileClient:
 
     def __call__(self, sock: socket.socket) -> None:
         rng = self.rng
-        try:
+        with peer_side(sock):
             client_nonce = nonce_like(rng)
             hello = {"nonce": client_nonce, "hostname": rng.choice(["h", ["x"], "\x1b[2J"]),
                      "pid": rng.choice([1, -1, 2**70, "1"]), "control": rng.random() < 0.5,
@@ -284,10 +277,6 @@ class HostileClient:
                 # Signed as frames.trailer signs: prefix, header, trailer (see PROTOCOL.md).
                 frames += prefix + header + payload + trailer + mac.sign(prefix, header, trailer)
             sock.sendall(mutate_bytes(frames, rng, SEED_FRAMES) if rng.random() < 0.5 else frames)
-        except (OSError, Done):
-            pass
-        finally:
-            end_writing(sock)
 
 
 def test_the_servers_token_handshake_and_signed_frames_raise_only_protocol_errors() -> None:
@@ -297,7 +286,7 @@ def test_the_servers_token_handshake_and_signed_frames_raise_only_protocol_error
         peer = HostileClient(rng.randrange(2**32))
         store = HistoryStore(max_bytes=64 << 20)
         try:
-            serve_against(peer, settings(store, token=TOKEN))
+            serve_against(peer, settings(store, token=TOKEN), greet=True)
         except (ProtocolError, OSError):  # HandshakeError is one; OSError: the stream ended
             pass
         genuine += peer.sent_genuine_proof
@@ -317,7 +306,7 @@ class HostileServer:
 
     def __call__(self, sock: socket.socket) -> None:
         rng = self.rng
-        try:
+        with peer_side(sock):
             _, hello = recv_message(sock)
             client_nonce = hello.get("nonce") if isinstance(hello, dict) else None
             roll = rng.random()
@@ -340,10 +329,6 @@ class HostileServer:
                 sock.sendall(maybe_mutated(handshake(reply, rng.choice([0, 1, 2, 7])), rng, 0.4))
             else:
                 sock.sendall(rng.randbytes(rng.randrange(0, 64)))
-        except (OSError, Done):
-            pass
-        finally:
-            end_writing(sock)
 
 
 def test_the_clients_handshake_raises_only_protocol_errors_and_trusts_only_a_proof() -> None:
@@ -500,7 +485,7 @@ def test_hostile_descriptors_with_frames_raise_only_protocol_errors(tmp_path: Pa
 
         store = HistoryStore(max_bytes=64 << 20)
         try:
-            serve_against(peer, settings(store))
+            serve_against(peer, settings(store), greet=True)
         except (ProtocolError, OSError):
             pass
         stored += store.received
@@ -519,8 +504,7 @@ def seed_segment(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     """A real segment of captures received by the server's own reader from SEED_FRAMES."""
     store = HistoryStore(max_bytes=64 << 20)
     data = b"".join(SEED_FRAMES)
-    serve_against(lambda sock: (sock.sendall(data), end_writing(sock)), settings(store),
-                  greet=False)
+    serve_against(lambda sock: send_then_end(sock, data), settings(store))
     assert store.received == len(SEED_FRAMES)
     directory = tmp_path_factory.mktemp("seed") / "recording"
     recording.save(store, directory)
@@ -647,8 +631,7 @@ def test_notices_announcements_and_meta_raise_only_protocol_errors() -> None:
                 frames.append(header_frame(document, b"\0" * 8))
         data = b"".join(frames)
         try:
-            serve_against(lambda sock, data=data: (sock.sendall(data), end_writing(sock)),
-                          settings(store), greet=False)
+            serve_against(lambda sock, data=data: send_then_end(sock, data), settings(store))
         except (ProtocolError, OSError):
             pass
     # What the REPL shows of them holds no escape sequence, and is bounded.
