@@ -245,14 +245,14 @@ class NameTracer:
                 argument = _argument_at(lines, positions, self.keyword, code)
             if argument is _STALE:
                 _debug("the source of %s:%s is not the text its code was compiled from "
-                          "(edited since?); using a fallback name", site.file, site.line)
+                       "(edited since?); using a fallback name", site.file, site.line)
                 return None
         else:
             argument = self._argument_on_line(code.co_filename, lines, site.line)
         if argument is None:
             why = "no source" if not lines else "no single first argument found in the source"
             _debug("%s for the capture at %s:%s; using a fallback name",
-                      why, site.file, site.line)
+                   why, site.file, site.line)
             return None
         return _cut_to_length(argument)
 
@@ -266,7 +266,7 @@ class NameTracer:
             cached = (lines, [line for line in lines if "catch" in line], None)
         _, saying_catch, order = cached
         if order is None:
-            # Read (parsed and walked: 180 ms for 6,000 lines) only for a text that two
+            # Read (parsed and walked: 120 ms for 6,000 lines) only for a text that two
             # lines calling a catch hold: most files catch each thing once.
             if sum(text in line for line in saying_catch) < 2:
                 order = {}  # not kept: another text of the file may need the file read
