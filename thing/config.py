@@ -14,7 +14,6 @@ from .log import log
 DEFAULT_PORT = 2875
 
 
-
 def _env_int(name: str, default: int) -> int:
     return int(_env_float(name, default))
 

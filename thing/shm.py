@@ -5,9 +5,9 @@ into a ``memfd_create`` file, seals it against any later change of size or
 content, and passes the descriptor over the Unix socket (``SCM_RIGHTS``). The
 receiver checks the descriptor against the already-validated header, maps it
 copy-on-write, and hands the user arrays backed by that mapping: the whole
-trip is one memcpy. Anonymous memfds vanish when the last descriptor and
-mapping are gone, so nothing is left behind in ``/dev/shm`` when either side
-dies.
+trip is one copy, made by the kernel (``pwrite``). Anonymous memfds vanish
+when the last descriptor and mapping are gone, so nothing is left behind in
+``/dev/shm`` when either side dies.
 """
 
 from __future__ import annotations
