@@ -271,24 +271,12 @@ def _snapshot_array(array: np.ndarray) -> bytes:
 
 
 def _hold_tensor(leaf: Leaf, tensor: Any, snapshot: bool) -> None:
-    readable = _check_memory(tensor, leaf.nbytes)
-    if tensor.is_cuda:
-        torch = sys.modules["torch"]
-        tensor = tensor.detach()  # copy_ from a tensor that requires grad would record a graph
-        # The copy runs on the current stream of the tensor's own device, which need not
-        # be the current device: the event must be recorded on that same stream.
-        stream = torch.cuda.current_stream(tensor.device)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        # Made on another stream, its memory could go back to that stream's pool when the
-        # caller lets go of it, and be written there before this copy has read it.
-        tensor.record_stream(stream)
-        with torch.cuda.stream(stream):
-            host.copy_(tensor, non_blocking=True)
-            leaf.ready = torch.cuda.Event()
-            leaf.ready.record(stream)
-        leaf.source = host
+    start = _check_memory(tensor, leaf.nbytes)
+    on_cpu = tensor.is_cpu
+    if not on_cpu and tensor.is_cuda:
+        _copy_to_host(leaf, tensor)
     elif snapshot:
-        leaf.source = _snapshot_tensor(tensor, leaf.nbytes, readable)
+        leaf.source = _snapshot_tensor(tensor, leaf.nbytes, start if on_cpu else None)
     else:
         try:
             leaf.version = tensor._version
@@ -296,20 +284,40 @@ def _hold_tensor(leaf: Leaf, tensor: Any, snapshot: bool) -> None:
             leaf.version = None
 
 
-def _snapshot_tensor(tensor: Any, nbytes: int, readable: bool) -> Any:
-    """The bytes a CPU tensor sends, copied now with the GIL held (see _snapshot_array).
+def _copy_to_host(leaf: Leaf, tensor: Any) -> None:
+    """Start copying a CUDA tensor to pinned host memory; ``leaf.ready`` says when it is."""
+    torch = sys.modules["torch"]
+    tensor = tensor.detach()  # copy_ from a tensor that requires grad would record a graph
+    # The copy runs on the current stream of the tensor's own device, which need not
+    # be the current device: the event must be recorded on that same stream.
+    stream = torch.cuda.current_stream(tensor.device)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    # Made on another stream, its memory could go back to that stream's pool when the
+    # caller lets go of it, and be written there before this copy has read it.
+    tensor.record_stream(stream)
+    with torch.cuda.stream(stream):
+        host.copy_(tensor, non_blocking=True)
+        leaf.ready = torch.cuda.Event()
+        leaf.ready.record(stream)
+    leaf.source = host
 
-    A plain tensor whose elements lie in its own memory in the order they
-    travel (``readable``, see :func:`_check_memory`, with no conjugate or
-    negative bit still to apply) is copied from its data pointer:
-    half the time of a numpy view's copy, checks included, in the common case,
-    a loss caught right after a training step. Anything else goes through a numpy
+
+def _snapshot_tensor(tensor: Any, nbytes: int, start: int | None) -> Any:
+    """The bytes a tensor sends, copied now with the GIL held (see _snapshot_array).
+
+    A plain CPU tensor whose elements lie in order from ``start`` in memory
+    of its own (see :func:`_check_memory`; None for any other), with no
+    conjugate or negative bit still to apply, is copied from there: half the
+    time of a numpy view's copy, checks included, in the common case, a loss
+    caught right after a training step. Anything else goes through a numpy
     view; a tensor numpy cannot view is cloned by torch.
     """
     torch = sys.modules["torch"]
-    if (readable and _LITTLE_ENDIAN and type(tensor) in (torch.Tensor, torch.nn.Parameter)
-            and tensor.is_cpu and not tensor.is_conj() and not tensor.is_neg()):
-        return bytes_at(tensor.data_ptr(), nbytes)
+    kind = type(tensor)
+    if (start is not None and _LITTLE_ENDIAN
+            and (kind is torch.Tensor or kind is torch.nn.Parameter)
+            and not tensor.is_conj() and not tensor.is_neg()):
+        return bytes_at(start, nbytes)
     # .data, not .detach(): torch may release the GIL in detach(), never in .data.
     try:
         return _snapshot_array(tensor.data.numpy())
@@ -317,10 +325,11 @@ def _snapshot_tensor(tensor: Any, nbytes: int, readable: bool) -> Any:
         return tensor.detach().clone(memory_format=torch.contiguous_format)
 
 
-def _check_memory(tensor: Any, nbytes: int) -> bool:
-    """Whether a tensor's elements lie in memory of its own, in order from its data pointer
-    (False for a strided one, or one that only torch can read); raises
-    :class:`UnsupportedType` if that memory is gone, or if the tensor has none to read.
+def _check_memory(tensor: Any, nbytes: int) -> int | None:
+    """The address of a tensor's first element if its elements lie in memory of its own,
+    in order from there (None for a strided one, or one that only torch can read);
+    raises :class:`UnsupportedType` if that memory is gone, or if the tensor has none to
+    read. The address is where the data lies on the tensor's own device.
 
     FSDP frees a parameter's memory between uses by resizing its storage to
     nothing, and leaves the tensor as it was: reading it then, even with
@@ -331,31 +340,31 @@ def _check_memory(tensor: Any, nbytes: int) -> bool:
     """
     try:
         storage = tensor.untyped_storage()
-        storage.data_ptr()
+        base = storage.data_ptr()
     except (NotImplementedError, TypeError):  # a tensor under vmap or grad: torch reads it
-        return False
+        return None
     except RuntimeError:
         if tensor._is_zerotensor():  # no memory at all: its elements are zeros
-            return False
+            return None
         raise UnsupportedType(  # a wrapper, or a functional tensor: no data where it points
             "cannot send a tensor that has no data of its own (a wrapper subclass such as "
             "DTensor, or a tensor traced by torch.func.functionalize or torch.compile): "
             "catch a plain tensor (a DTensor's full_tensor() or to_local())") from None
-    contiguous = tensor.is_contiguous()
-    if not nbytes:
-        return contiguous
-    if contiguous:
-        end = tensor.storage_offset() * tensor.element_size() + nbytes
+    if tensor.is_contiguous():
+        start = tensor.storage_offset() * tensor.element_size()
+        end = start + nbytes
     else:
+        start = None
         last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
         end = (tensor.storage_offset() + last + 1) * tensor.element_size()
-    available = storage.nbytes()
-    if end > available:
-        raise UnsupportedType(
-            f"cannot send this tensor: its memory is gone ({available} bytes left of the "
-            f"{end} it reads; FSDP frees parameters' memory between uses). "
-            "Catch it while it is in use, with copy=True")
-    return contiguous
+    if nbytes:
+        available = storage.nbytes()
+        if end > available:
+            raise UnsupportedType(
+                f"cannot send this tensor: its memory is gone ({available} bytes left of the "
+                f"{end} it reads; FSDP frees parameters' memory between uses). "
+                "Catch it while it is in use, with copy=True")
+    return None if start is None else base + start
 
 
 def _on_cpu(array: Any) -> bool:

@@ -96,13 +96,10 @@ class Channel:
         self._lock = queue.lock
         self._mutex = queue.mutex
         self._queue: deque[Pending] = deque()
-        # The sender waits in poll (see _wait_for_captures): a byte on this socket pair
-        # wakes it, written only while it sleeps (``_asleep``) and only under the lock,
-        # so never after the pair is closed.
-        self._wake_write, self._wake_read = socket.socketpair()
-        self._wake_write.setblocking(False)
-        self._wake_read.setblocking(False)
-        self._wake_fd = self._wake_write.fileno()
+        # The sender waits in poll (see _wait_for_captures): a write to _wake_fd wakes it,
+        # made only while it sleeps (``_asleep``) and only under the lock, so never after
+        # the descriptors are closed.
+        self._wake_read, self._wake_fd = _wake_descriptors()
         self._asleep = False
         # A poll for a wake-up alone (not select(): a descriptor may be numbered past 1023).
         self._wake_only = select.poll()
@@ -318,10 +315,10 @@ class Channel:
         copies of the handles of captures it leaves to the parent end by themselves: see
         handles.SENT_BY_THE_PARENT.)"""
         self._closed, self._asleep = True, False
-        for sock in (self._sock, self._wake_read, self._wake_write):
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.close()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        self._close_wake()
 
     def stop(self) -> None:
         """Stop sending, and tell the queued captures the client closed; then :meth:`join`.
@@ -373,8 +370,7 @@ class Channel:
         finally:
             with self._mutex:  # no one signals a closed pair (see _signal)
                 self._asleep = False
-                self._wake_write.close()
-                self._wake_read.close()
+                self._close_wake()
 
     def _sleep(self, seconds: float) -> None:
         """Wait ``seconds`` before trying again, or until the channel closes (captures that
@@ -393,7 +389,13 @@ class Channel:
 
     def _drain_wake(self) -> None:
         with contextlib.suppress(OSError):  # nothing was written
-            self._wake_read.recv(4096)
+            os.read(self._wake_read, 4096)
+
+    def _close_wake(self) -> None:
+        """Close the wake-up's descriptors, once: their numbers may be reused right after."""
+        for fd in {self._wake_read, self._wake_fd} - {-1}:
+            os.close(fd)
+        self._wake_read = self._wake_fd = -1
 
     def _serve(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
         """Send and read on one connection until it ends or the channel closes; then settle
@@ -567,7 +569,7 @@ class Channel:
         Within a tick, acknowledgements are left for its end unless someone
         waits for them.
         """
-        wake = self._wake_read.fileno()
+        wake = self._wake_read
         idle = False
         events: list[tuple[int, int]] = []
         while True:
@@ -854,6 +856,19 @@ class Channel:
         if key not in self._warned and len(self._warned) < 1000:
             self._warned.add(key)
             log.log(level, message, *args, exc_info=exc_info)
+
+
+def _wake_descriptors() -> tuple[int, int]:
+    """The descriptors a sender waits on and a catch writes to wake it: one eventfd, the
+    kernel's lightest wake-up, or a non-blocking pipe where there is none (Python 3.9,
+    macOS)."""
+    if hasattr(os, "eventfd"):
+        fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        return fd, fd
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    return read, write
 
 
 def _refusal(message: Any) -> str:

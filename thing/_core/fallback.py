@@ -171,10 +171,13 @@ def bytes_at(address: int, nbytes: int) -> bytes:
 
 
 def wake(fd: int) -> None:
-    """Write one byte to the non-blocking socket ``fd`` (see the compiled core's): here with
-    the GIL let go, as every write from Python is."""
-    with contextlib.suppress(BlockingIOError):  # a byte is waiting already
-        os.write(fd, b"\0")
+    """Add one to the eventfd ``fd``, or write as much to a non-blocking pipe (see the
+    compiled core's): here with the GIL let go, as every write from Python is."""
+    with contextlib.suppress(BlockingIOError):  # a full pipe: a wake-up is waiting already
+        os.write(fd, _ONE)
+
+
+_ONE = (1).to_bytes(8, sys.byteorder)  # an eventfd's increment, as the kernel reads it
 
 
 def untrack(obj: object) -> object:
