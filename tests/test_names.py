@@ -37,10 +37,12 @@ class Client:
     def __init__(self) -> None:
         self.tracer = NameTracer()
         self.sites: list[CallSite] = []  # of every catch, in order
+        self.names: list[str] = []
 
     def catch(self, obj=None, name=None, **options) -> str:
         name, site = self.tracer.name_for(sys._getframe(1))
         self.sites.append(site)
+        self.names.append(name)
         return name
 
 
@@ -120,6 +122,33 @@ def test_function_called_by_any_name(client):
     accuracy = 0.5
     assert catch(accuracy) == "accuracy"
     assert thing.catch(accuracy * 2) == "accuracy * 2"
+
+
+@needs_columns
+def test_a_catch_called_back_by_c_code_gets_a_fallback_name_not_another_calls_text(client):
+    """map(), a loop's call_soon and the like call catch from C: the frame above is the code
+    that called them, and the first argument of that call is not what was caught (every
+    such use was filed under one name: "map(client.catch, learning_rates)",
+    "self._callback")."""
+    import asyncio
+    import functools
+
+    learning_rates = [0.1, 0.2]
+    assert list(map(client.catch, learning_rates)) == [fallback_name(
+        test_a_catch_called_back_by_c_code_gets_a_fallback_name_not_another_calls_text, 11)] * 2
+
+    async def main() -> None:
+        loss = 0.25
+        asyncio.get_running_loop().call_soon(client.catch, loss)
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    site = client.sites[-1]
+    assert site.function == "Handle._run"  # its fallback name says where catch was called
+    assert client.names[-1] == f"Handle._run:{site.line}"
+    # Called as what it is, by any name, partial or not: traced.
+    grab, weight = functools.partial(client.catch, every=1), 1.0
+    assert grab(weight) == "weight"
 
 
 @needs_columns

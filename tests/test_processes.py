@@ -346,3 +346,52 @@ def test_the_rank_follows_the_process_group_as_it_comes_and_goes(server: thing.S
     ranks = {name: (server.store.get(name).sender.rank, server.store.get(name).sender.world_size)
              for name in ("before", "during", "after")}
     assert ranks == {"before": (5, None), "during": (0, 1), "after": (5, None)}
+
+
+def test_catches_in_a_torch_compiled_function_arrive_under_their_names(
+        server: thing.Server, tmp_path: Path) -> None:
+    """A catch is a graph break: torch runs it as it is, then the rest of the function in a
+    function it makes. thing's own functions are not compiled as they run (a shape that
+    changed made captures "not sent", and torch printed warnings), and what follows a
+    graph break is still the user's function (names were split: loss, loss_1)."""
+    pytest.importorskip("torch")
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import torch, thing
+
+        def step(x, w):
+            h = x @ w
+            thing.catch(h)
+            loss = (h * h).sum()
+            thing.catch(loss)
+            g = loss * 2
+            thing.catch(g, every=2)
+            return loss
+
+        compiled = torch.compile(step, backend="eager")
+        for i in range(4):  # a new shape each step: torch compiles the step again, once
+            compiled(torch.ones(i + 1, 3), torch.full((3, 4), float(i)))
+        assert thing._default_client.flush(30)
+        assert not thing._default_client.undelivered, thing._default_client.undelivered
+    """))
+    result = subprocess.run([sys.executable, str(script)], env=script_env(server.port),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # catch never prints, nor makes torch print
+    import torch
+
+    expected: dict[str, list[tuple[int, torch.Tensor]]] = {"h": [], "loss": [], "g": []}
+    for i in range(4):
+        h = torch.ones(i + 1, 3) @ torch.full((3, 4), float(i))
+        loss = (h * h).sum()
+        expected["h"].append((i + 1, h))
+        expected["loss"].append((i + 1, loss))
+        if i % 2 == 0:
+            expected["g"].append((i + 1, loss * 2))
+    assert sorted(server.store.names()) == ["g", "h", "loss"]
+    for name, captures in expected.items():
+        stored = server.store.get_all(name)
+        assert [c.call for c in stored] == [call for call, _ in captures]
+        for capture, (_, value) in zip(stored, captures):
+            assert capture.value.shape == value.shape and torch.equal(capture.value, value)
+            assert capture.call_site.endswith("(step)")

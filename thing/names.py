@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ast
 import bisect
+import functools
 import io
 import itertools
 import keyword
@@ -76,8 +77,10 @@ _CLOSING_OR_JOINING = frozenset({")", "]", "}", ".", ","})
 # Python 3.12+ tokenizes f-strings into parts; earlier versions have no such tokens.
 _FSTRING_START = getattr(tokenize, "FSTRING_START", None)
 _FSTRING_END = getattr(tokenize, "FSTRING_END", None)
-# What _argument_at answers for source text that the running code was not compiled from.
+# What _argument_at answers for source text that the running code was not compiled from,
+# and for a call of something that is not catch (see _calls_catch).
 _STALE: Any = object()
+_ANOTHER_CALL: Any = object()
 _PARSING = threading.Lock()  # see _parse
 
 
@@ -236,16 +239,21 @@ class NameTracer:
         if not lines:
             argument = None
         elif positions is not None:
-            argument = _argument_at(lines, positions, self.keyword, code)
+            argument = _argument_at(lines, positions, self.keyword, frame)
             if argument is None or argument is _STALE:
                 # linecache may hold the text from before an edit that the running code was
                 # compiled from (a module reloaded): read the file again (if changed), once.
                 linecache.checkcache(code.co_filename)
                 lines = linecache.getlines(code.co_filename, frame.f_globals)
-                argument = _argument_at(lines, positions, self.keyword, code)
+                argument = _argument_at(lines, positions, self.keyword, frame)
             if argument is _STALE:
                 _debug("the source of %s:%s is not the text its code was compiled from "
                        "(edited since?); using a fallback name", site.file, site.line)
+                return None
+            if argument is _ANOTHER_CALL:
+                _debug("catch was called by the callable called at %s:%s (a callback), not "
+                       "there: its first argument is not what was caught; using a fallback "
+                       "name", site.file, site.line)
                 return None
         else:
             argument = self._argument_on_line(code.co_filename, lines, site.line)
@@ -426,7 +434,16 @@ def call_site(frame: types.FrameType) -> CallSite:
     code = frame.f_code
     positions = _call_positions(code, frame.f_lasti)
     line = positions[0] if positions is not None else frame.f_lineno or 0
-    return CallSite(code.co_filename, line, getattr(code, "co_qualname", code.co_name))
+    function = getattr(code, "co_qualname", code.co_name)
+    while function.startswith(_RESUMED) and "_at_" in function:  # see _RESUMED
+        function = function[len(_RESUMED):].rpartition("_at_")[0]
+    return CallSite(code.co_filename, line, function)
+
+
+# torch.compile runs what follows a graph break (a catch is one) in a function it makes,
+# torch_dynamo_resume_in_<function>_at_<line>, whose lines are the user's: the catch is the
+# user's function's, whichever graph break came before it.
+_RESUMED = "torch_dynamo_resume_in_"
 
 
 def _parse(source: str, mode: str = "exec") -> Any:
@@ -469,10 +486,13 @@ def _call_positions(code: types.CodeType, lasti: int) -> Optional[tuple[int, int
 
 
 def _argument_at(
-    lines: list[str], positions: tuple[int, int, int, int], keyword: str, code: types.CodeType
+    lines: list[str], positions: tuple[int, int, int, int], keyword: str,
+    frame: types.FrameType,
 ) -> Optional[str]:
-    """The first argument's text of the call expression at these positions, if it is a call;
-    ``_STALE`` if that text cannot be what ``code`` was compiled from."""
+    """The first argument's text of the call expression at these positions of ``frame``'s
+    code, if it is a call; ``_STALE`` if that text cannot be what the code was compiled
+    from, ``_ANOTHER_CALL`` if it is the call of something that then called catch."""
+    code = frame.f_code
     line, end_line, column, end_column = positions
     if not 1 <= line <= end_line <= len(lines):
         return None
@@ -500,8 +520,65 @@ def _argument_at(
            (argument.end_col_offset or 0) + (column if argument.end_lineno == 1 else 0))
     if not _loads_are_named_in(code, start, end, argument):
         return _STALE
+    if not _calls_catch(call.func, frame):
+        return _ANOTHER_CALL
     text = ast.get_source_segment(expression, argument)
     return _normalise_whitespace(text) if text else None
+
+
+def _calls_catch(callee: ast.expr, frame: types.FrameType) -> bool:
+    """Whether the call at ``frame``'s instruction, of ``callee``, may be the call of catch
+    itself: False only for a callable that cannot be, found without running any code.
+
+    catch called by C code (``map(thing.catch, xs)``, ``loop.call_soon(thing.catch, x)``,
+    whose ``Context.run(self._callback, *self._args)`` runs it) has the frame of the code
+    that called that C code above it: the first argument of that call is not what was
+    caught, and every such use would share its text as a name. C code calls catch so,
+    and a class or C function other than catch is C code; Python code would have a frame
+    of its own between them (one skipped on purpose with ``_depth`` included).
+    """
+    try:
+        target = _static_value(callee, frame)
+        while type(target) is functools.partial:
+            target = target.func
+        if type(target) is types.MethodType:
+            target = target.__func__
+        if issubclass(type(target), type):  # a class (isinstance might run code)
+            return False
+        if type(target) in _C_CALLABLES or type(target).__name__ == "cython_function_or_method":
+            return target.__name__ == "catch"  # thing.catch, a Client's: compiled gates
+    except Exception:  # an object that does not let itself be looked at: cannot tell
+        pass
+    return True
+
+
+# Callables of C code, whose names can be read without running any code.
+_C_CALLABLES = (types.BuiltinFunctionType, types.MethodDescriptorType,
+                types.WrapperDescriptorType, types.MethodWrapperType,
+                types.ClassMethodDescriptorType)
+_UNKNOWN: Any = object()
+
+
+def _static_value(node: ast.expr, frame: types.FrameType) -> Any:
+    """What a name or a chain of attributes names in ``frame``, found as
+    ``inspect.getattr_static`` finds attributes (no property, no ``__getattr__`` runs);
+    ``_UNKNOWN`` for any other expression, or one not found so."""
+    if isinstance(node, ast.Name):
+        for namespace in (frame.f_locals, frame.f_globals, frame.f_builtins):
+            if node.id in namespace:
+                return namespace[node.id]
+        return _UNKNOWN
+    if isinstance(node, ast.Attribute):
+        owner = _static_value(node.value, frame)
+        if owner is _UNKNOWN:
+            return _UNKNOWN
+        import inspect  # here: only the first call from each site traces
+
+        found = inspect.getattr_static(owner, node.attr, _UNKNOWN)
+        if type(found) is types.MemberDescriptorType and not issubclass(type(owner), type):
+            return found.__get__(owner)  # a slot's value (asyncio's Handle keeps its so)
+        return found
+    return _UNKNOWN
 
 
 def _loads_are_named_in(code: types.CodeType, start: tuple[int, int], end: tuple[int, int],

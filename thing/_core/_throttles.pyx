@@ -22,6 +22,7 @@ from cpython.exc cimport PyErr_Clear
 from cpython.ref cimport Py_XDECREF, Py_XINCREF
 
 import functools
+import sys
 
 cdef extern from *:
     """
@@ -284,19 +285,42 @@ def gated(catch, Throttles throttles, skipped):
     ``catch`` is ``thing.catch`` or a ``Client``'s bound ``catch`` (not a subclass's own,
     which may treat the arguments otherwise): the code that called the gate is the code
     that called ``catch``, as no Python frame comes between them.
+
+    Called from code ``torch.compile`` made (a catch is a graph break: torch calls the
+    gate as it is), ``catch`` runs with torch's frame evaluation off, as in
+    ``torch.compiler.disable``: else torch compiles thing's own functions as they run
+    (milliseconds a call, its warnings printed, and a capture whose shape changed not
+    sent).
     """
 
     def gate(obj, name=None, server=None, every=1, first=None, *, copy=None, block=False,
              step=None, on_demand=False, int _depth=1):
+        options = {"copy": copy, "block": block, "step": step, "on_demand": on_demand}
         if _depth != 1:  # a helper's catch(..., _depth=2): its caller's call site counts
-            return catch(obj, name, server, every, first, copy=copy, block=block, step=step,
-                         on_demand=on_demand, _depth=_depth)
-        if on_demand is False:
+            options["_depth"] = _depth
+        elif on_demand is False:
             if throttles.skips(name, every, first):
                 return skipped
         elif on_demand is True and throttles.skips_on_demand(name):
             return skipped
-        return catch(obj, name, server, every, first, copy=copy, block=block, step=step,
-                     on_demand=on_demand)
+        frames = _torch_frames()
+        if frames is not None:
+            compiled = frames.set_eval_frame(None)
+            if compiled is not None:
+                try:
+                    return catch(obj, name, server, every, first, **options)
+                finally:
+                    frames.set_eval_frame(compiled)
+        return catch(obj, name, server, every, first, **options)
 
     return functools.wraps(catch)(gate)
+
+
+cdef dict _modules = sys.modules
+
+
+cdef inline object _torch_frames():
+    """torch's frame evaluation hooks (``torch._C._dynamo.eval_frame``) once torch.compile's
+    machinery is loaded, else None."""
+    cdef PyObject *module = PyDict_GetItem(_modules, "torch._C._dynamo.eval_frame")
+    return None if module is NULL else <object>module
