@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import thing
+import thing.repl
 from thing import answers, auth, live, reports, wire
 from thing.answers import read_server_message
 from thing.channel import PAUSED
@@ -139,6 +140,39 @@ def test_an_on_demand_name_sends_nothing_until_requested(server: thing.Server,
     assert "because of a request" in described
     job.catch("attn_probs", 10, on_demand=True)
     assert calls_of(server, "attn_probs") == [21, 22, 23]  # and nothing more
+
+
+def test_a_name_the_repl_shows_escaped_is_steered_by_what_it_shows(
+        server: thing.Server) -> None:
+    """A name with a character that is not printable is kept, listed and shown escaped
+    ("a\\tb"); asked for by that name, the job now sends it (it was told of a name it
+    did not have, and nothing came)."""
+    job = start_script("""
+        import sys, numpy as np, thing
+        def catch_some(count):
+            for _ in range(count):
+                thing.catch(np.arange(3, dtype=np.float32), name="a\\tb", on_demand=True)
+            assert thing.catch(0, name="sync").wait(10)
+        catch_some(2)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        # Acknowledged after the request came: the job has applied it.
+        assert thing.catch(0, name="sync").wait(10)
+        catch_some(5)
+        print("done", flush=True)
+        """, server.port, stdin=True)
+    try:
+        assert job.stdout.readline().strip() == "ready"
+        [announced] = server.available()
+        assert announced.name == "a\\tb"
+        assert server.request(announced.name, count=2) == 1
+        job.stdin.write("go\n")
+        job.stdin.flush()
+        assert job.stdout.readline().strip() == "done"
+    finally:
+        job.kill()
+        job.communicate()
+    assert calls_of(server, "a\\tb") == [3, 4]
 
 
 @pytest.mark.parametrize("env", [{}, {"RANK": "3", "WORLD_SIZE": "8"}], ids=["alone", "rank"])
@@ -340,6 +374,26 @@ def test_a_job_that_connects_later_picks_up_the_settings(server: thing.Server,
     job.catch("quiet", 3)
     assert calls_of(server, "w") == [1, 2, 3] and calls_of(server, "quiet") == []
     assert not any(c.requested for c in server.store.get_all("w"))
+
+
+def test_serving_again_after_close_keeps_what_the_repl_set(
+        jobs: list[Job], monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve() again receives into the session's history; what the REPL set for jobs
+    holds on too (a paused tensor flowed again at once)."""
+    monkeypatch.setattr(thing.repl, "_server", None)
+    first = thing.serve(port=0)
+    try:
+        thing.pause("quiet")
+        first.close()
+        second = thing.serve(port=0)
+        assert second is not first
+        assert [s.operation for s in second.steering.statements()] == ["pause"]
+        jobs.append(job := Job(second.port))
+        job.catch("quiet", 3)
+        job.catch("w", 2)
+        assert calls_of(second, "quiet") == [] and calls_of(second, "w") == [1, 2]
+    finally:
+        thing.repl._server.close()
 
 
 def test_a_pause_set_before_a_job_starts_holds_back_its_very_first_calls(

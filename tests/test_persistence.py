@@ -162,6 +162,26 @@ def test_the_safetensors_package_and_torch_read_the_files(server: thing.Server,
                                                                                        3.5j]]
 
 
+def test_a_loaded_capture_that_changed_while_sent_is_warned_of_as_a_received_one(
+        tmp_path: Path) -> None:
+    """The warning get() gives for a capture marked inconsistent shows in a session that
+    only loaded a recording (thing.load, thing open), not only in one that served."""
+    store = HistoryStore()
+    store.add("w", np.ones(2, np.float32), (), 8, Sender("a:1"), consistent=False)
+    store.add("fine", np.ones(2, np.float32), (), 8, Sender("a:1"))
+    store.save(tmp_path / "rec")
+    result = run_script(f"""
+        import thing
+        assert thing.load({str(tmp_path / "rec")!r}) == 2
+        thing.get("fine")
+        print("fine read", flush=True)
+        print(thing.get("w").tolist())
+        """, full=True)
+    assert result.stdout.splitlines() == ["fine read", "[1.0, 1.0]"]
+    assert "of 'w' changed between catch() and the end of its send" in result.stderr
+    assert "'fine'" not in result.stderr
+
+
 def test_ranks_flags_names_and_save_of_some_names(tmp_path: Path) -> None:
     store = HistoryStore()
     store.add("w", np.ones(2, np.float32), (), 8, Sender("a:1", "h1", 11, 0, 2),

@@ -687,6 +687,23 @@ def test_status_live_view_in_a_terminal_returns_on_ctrl_c() -> None:
         child.close(force=True)
 
 
+def test_log_lines_go_where_stderr_is_when_they_are_logged() -> None:
+    """status()'s live view stands in for sys.stderr while it runs, and prints what is
+    written there above the view: a warning written to the stderr of before was drawn
+    over by the view's next frame."""
+    result = run_script("""
+        import io, logging, sys, thing
+        server = thing.serve(port=0)
+        real, sys.stderr = sys.stderr, io.StringIO()
+        logging.getLogger("thing").warning("a peer broke the protocol")
+        written, sys.stderr = sys.stderr.getvalue(), real
+        print(repr(written))
+        server.close()
+        """, full=True)
+    assert "- thing - WARNING  - a peer broke the protocol" in result.stdout
+    assert "a peer broke the protocol" not in result.stderr
+
+
 def test_the_status_view_fits_80_columns(default: thing.Server) -> None:
     for name in LONG_NAMES:
         keep(default.store, name, np.zeros(768, np.float32),

@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import socket
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -36,6 +37,8 @@ def serve(port: int | None = None, host: str | None = None) -> Server:
 
     ``port`` defaults to ``THING_PORT`` or 2875 (0 picks a free port); ``host``
     to ``THING_HOST`` or 127.0.0.1 (``"0.0.0.0"`` accepts other machines).
+    Served again after ``close()``, it keeps the session's history and what
+    the REPL set for jobs (``thing.pause``, ``every``, ``first``).
     """
     global _server
     _show_log_lines()
@@ -48,6 +51,8 @@ def serve(port: int | None = None, host: str | None = None) -> Server:
             log.info("Server already running at port %d.", _server.port)
         return _server
     server = Server(port, host, store=_history())
+    if _server is not None:  # the session's settings hold on, as its history does
+        server.steering = _server.steering
     try:
         server.start()
     except OSError as exc:
@@ -139,6 +144,7 @@ def load(path: str | os.PathLike[str]) -> int:
     same recording loaded twice) is not added again.
     """
     global _loaded
+    _show_log_lines()  # get() warns of a capture that changed while it was sent
     if _server is not None and _server.running:
         return _server.store.load(path)
     store = _history()
@@ -412,11 +418,25 @@ def _show_log_lines() -> None:
     if logging.getLogger().handlers or any(
             not isinstance(handler, logging.NullHandler) for handler in log.handlers):
         return
-    handler = logging.StreamHandler()
+    handler = _CurrentStderr()
     handler.setFormatter(
         logging.Formatter("%(asctime)s - %(name)s - %(levelname)-8s - %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+
+
+class _CurrentStderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``sys.stderr`` as it is when a line is logged, not as it was when the
+    handler was made: while ``status()`` shows its live view, rich's stand-in prints
+    the line above the view (written past it, the line was drawn over)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
 
 
 def _free_port_near(port: int, host: str) -> int:
