@@ -54,7 +54,7 @@ def test_serve_opens_a_session_that_receives(tmp_path, shell: str) -> None:
         prompt = r"In \[|>>> "
         child.expect(prompt)
         child.sendline("thing.serve()")  # echoes one informative line
-        child.expect(rf"<thing.Server listening at 127.0.0.1:{port} over TCP")
+        child.expect(rf"<thing.Server at 127.0.0.1:{port} \(TCP")
         child.expect(prompt)
         catch_from_another_process(port)
         child.sendline("print('got', thing.get('model.w').tolist())")

@@ -358,8 +358,17 @@ def test_what_thing_refuses_on_purpose_ends_in_a_short_traceback(
     (lambda: thing.every("loss", 0), ValueError),
     (lambda: thing.every(7, 2), TypeError),
     (lambda: thing.summary(max_items=0), ValueError),
+    (lambda: thing.serve(port=True), TypeError),  # it served on port 1
+    (lambda: thing.serve(port="abc"), TypeError),
+    (lambda: thing.serve(port=70000), ValueError),
+    (lambda: thing.serve(host=5), TypeError),
+    (lambda: thing.load(5), TypeError),
+    (lambda: thing.ingest_all(namespace=[1]), TypeError),
+    (lambda: thing.request(None), ValueError),
+    (lambda: thing.first(None, 3), ValueError),
 ], ids=["index", "index-type", "name-type", "id-and-index", "stat", "every-0", "every-name",
-        "max-items"])
+        "max-items", "port-bool", "port-text", "port-range", "host", "load-path",
+        "namespace", "request-no-name", "first-no-name"])
 def test_an_argument_a_repl_function_refuses_ends_in_a_short_traceback(
         default: thing.Server, call, error) -> None:
     """An index past the kept versions or a value of the wrong kind: the message says what
@@ -663,6 +672,20 @@ def test_status_shows_arrivals_and_returns_on_ctrl_c(tmp_path) -> None:
         watcher.stderr.close()
 
 
+def test_status_stops_when_the_server_is_closed() -> None:
+    """It waited forever on a closed server, and then said it was still running."""
+    out = run_script("""
+        import threading, time, thing
+        server = thing.serve(port=0)
+        threading.Timer(0.5, server.close).start()
+        started = time.monotonic()
+        thing.status()
+        print("returned after", round(time.monotonic() - started, 1), flush=True)
+        """, timeout=60)
+    assert "Stopped watching: the server at 127.0.0.1:" in out and "was closed; 0 captures" in out
+    assert float(out.split("returned after")[1]) < 10
+
+
 # pexpect forks to open the terminal; the child execs at once, so jax's threads (if another
 # test imported jax) cannot deadlock it.
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
@@ -683,6 +706,33 @@ def test_status_live_view_in_a_terminal_returns_on_ctrl_c() -> None:
         child.sendintr()
         child.expect("Stopped watching; the server is still running at 127.0.0.1")
         child.expect("after status: running True")
+    finally:
+        child.close(force=True)
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_ctrl_c_while_the_live_view_starts_leaves_the_terminal_as_it_was() -> None:
+    """A Ctrl+C in the view's first moments (as it draws its first frame) left the cursor
+    hidden and stdout taken over for the rest of the session."""
+    pexpect = pytest.importorskip("pexpect")
+    script = """
+        import sys, rich.live, thing
+        first_refresh = rich.live.Live.refresh
+        def interrupted(self):  # Ctrl+C as the first frame is drawn
+            rich.live.Live.refresh = first_refresh
+            raise KeyboardInterrupt
+        rich.live.Live.refresh = interrupted
+        server = thing.serve(port=0)
+        thing.status()
+        print("stdout is its own:", sys.stdout is sys.__stdout__, flush=True)
+        """
+    child = pexpect.spawn(sys.executable, ["-c", textwrap.dedent(script)], env=script_env(),
+                          encoding="utf-8", timeout=30, dimensions=(40, 160))
+    try:
+        child.expect("stdout is its own: (True|False)")
+        assert child.match.group(1) == "True"
+        shown = child.before
+        assert shown.rfind("\x1b[?25h") > shown.rfind("\x1b[?25l") >= 0  # the cursor back
     finally:
         child.close(force=True)
 
@@ -895,6 +945,21 @@ def test_summary_shows_max_items_of_the_on_demand_names_and_the_notices_too(
     out = capsys.readouterr().out
     assert "more" not in out
     assert all(f"asked{i} " in out and f"failed{i} " in out for i in range(12))
+
+
+def test_a_name_never_sent_is_found_by_its_identifier_too(default: thing.Server,
+                                                          capsys) -> None:
+    """The identifier works wherever a name does: for a name only a notice tells of too
+    (it was said "no capture named 'model_bad_thing'; did you mean 'model.good.thing'")."""
+    sender = Sender("10.0.0.7:5000", "node", 4242)
+    default.store.add("model.good.thing", 1.0, (), 0, sender)
+    default.store.note_unsent(UnsentNotice("model.bad.thing", "Widget", "unsupported type",
+                                           None, sender, time.time()))
+    thing.describe("model_bad_thing")
+    assert "unsupported type" in capsys.readouterr().out
+    with pytest.raises(KeyError, match="nothing named 'model.bad.thing' arrived: its sender "
+                                       "could not send it"):
+        thing.get("model_bad_thing")
 
 
 def test_capture_and_reports_show_as_html_in_notebooks(default: thing.Server) -> None:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 FIRST_COMMANDS = (
     ("thing.summary()", "what has arrived so far"),
-    ("thing.get('loss')", "the newest capture of a name (index=1: the one before)"),
+    ("thing.get('loss')", "the newest capture of a name (index=1: one before)"),
     ("thing.ingest_all()", "every received name as a variable here"),
 )
 
@@ -138,8 +138,8 @@ def open_interactively(directory: str, *, plain: bool = False) -> int:
     except (ThingError, OSError) as exc:
         print(f"thing: {exc}", file=sys.stderr)
         return 1
-    _interact(f"thing opened {directory}: {count} captures, no server running (thing.serve() "
-              "receives more into it); `thing` is imported. Try:", plain)
+    _interact(f"thing opened {directory}: {count} captures, no server running\n"
+              "(thing.serve() receives more into it); `thing` is imported. Try:", plain)
     return 0
 
 

@@ -66,18 +66,21 @@ def watch(store: HistoryStore, info: Callable[[], ServerInfo], on: bool = True,
                                              lambda: view(store, info(), rows), "thing-status")
         return
     where = info()
-    say(f"Watching arrivals at {where.host}:{where.port}; press Ctrl+C to stop "
-        "(the server keeps running).")
     try:
+        say(f"Watching arrivals at {where.host}:{where.port}; press Ctrl+C to stop "
+            "(the server keeps running).")
         if _terminal_can_redraw():
             _watch_in_terminal(store, info, rows)
         else:
-            _watch_as_lines(store)
+            _watch_as_lines(store, info)
     except KeyboardInterrupt:
         pass
-    kept = len(store)
-    say(f"Stopped watching; the server is still running at {where.host}:{where.port} with "
-        f"{kept} capture{'' if kept == 1 else 's'} kept.")
+    kept = f"{len(store)} capture{'' if len(store) == 1 else 's'} kept"
+    if info().running:
+        say(f"Stopped watching; the server is still running at {where.host}:{where.port} "
+            f"with {kept}.")
+    else:
+        say(f"Stopped watching: the server at {where.host}:{where.port} was closed; {kept}.")
 
 
 def stop_watching() -> None:
@@ -241,18 +244,23 @@ def _watch_in_terminal(store: HistoryStore, info: Callable[[], ServerInfo], rows
         return Group(spinner, Text(Report(*rest).text()))
 
     # auto_refresh redraws REFRESH times a second, so the spinner turns while nothing arrives.
-    with Live(frame(), auto_refresh=True, refresh_per_second=1 / REFRESH,
-              transient=False) as live:
+    live = Live(frame(), auto_refresh=True, refresh_per_second=1 / REFRESH, transient=False)
+    try:
+        # Started in the try, not by `with`: a Ctrl+C while it starts (it hides the cursor
+        # and stands in for stdout first) must stop it too.
+        live.start(refresh=True)
         seen = store.received
-        while True:
+        while info().running:
             _next_frame(store, seen)
             seen = store.received
             live.update(frame())
+    finally:
+        live.stop()
 
 
-def _watch_as_lines(store: HistoryStore) -> None:
+def _watch_as_lines(store: HistoryStore, info: Callable[[], ServerInfo]) -> None:
     seen = store.received
-    while True:
+    while info().running:
         store.wait_for_arrival(seen, REFRESH)
         received = store.received
         fresh = [c for c in reversed(store.recent(min(received - seen, 100))) if c.id >= seen]

@@ -21,10 +21,12 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from .captures import value_of
-from .errors import ArgumentError, NotServing, ThingError
+from .errors import ArgumentError, ArgumentTypeError, NotServing, ThingError
 from .log import log
 from .server import Server
 from .store import Announcement, HistoryStore, Run
+
+Function = TypeVar("Function", bound=Callable[..., Any])
 
 _server: Server | None = None
 # The history loaded with thing.load() before any server ran: what the REPL functions read
@@ -32,6 +34,22 @@ _server: Server | None = None
 _loaded: HistoryStore | None = None
 
 
+def _short_traceback(function: Function) -> Function:
+    """What thing refuses on purpose (a mistyped name, no server, a directory a save may not
+    use, a damaged recording: a :class:`ThingError`) ends in two traceback lines and the
+    message, not the library's stack."""
+
+    @functools.wraps(function)
+    def reporting(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except ThingError as exc:
+            raise exc.with_traceback(None) from None
+
+    return reporting  # type: ignore[return-value]
+
+
+@_short_traceback
 def serve(port: int | None = None, host: str | None = None) -> Server:
     """Start the default server in the background and return at once (calling it again is harmless).
 
@@ -41,6 +59,11 @@ def serve(port: int | None = None, host: str | None = None) -> Server:
     the REPL set for jobs (``thing.pause``, ``every``, ``first``).
     """
     global _server
+    if port is not None and (type(port) is not int or not 0 <= port <= 65535):
+        raise (ArgumentError if type(port) is int else ArgumentTypeError)(
+            f"port is a port number from 0 (any free one) to 65535, not {port!r}")
+    if host is not None and not isinstance(host, str):
+        raise ArgumentTypeError(f"host is a host name or address (str), not {host!r}")
     _show_log_lines()
     if _server is not None and _server.running:
         if port not in (None, 0, _server.port) or host not in (None, _server.host):
@@ -80,24 +103,6 @@ def default_server() -> Server:
     if _server is None or not _server.running:
         raise NotServing("no server is running here: call thing.serve() first")
     return _server
-
-
-Function = TypeVar("Function", bound=Callable[..., Any])
-
-
-def _short_traceback(function: Function) -> Function:
-    """What thing refuses on purpose (a mistyped name, no server, a directory a save may not
-    use, a damaged recording: a :class:`ThingError`) ends in two traceback lines and the
-    message, not the library's stack."""
-
-    @functools.wraps(function)
-    def reporting(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return function(*args, **kwargs)
-        except ThingError as exc:
-            raise exc.with_traceback(None) from None
-
-    return reporting  # type: ignore[return-value]
 
 
 def _history() -> HistoryStore | None:
@@ -144,6 +149,8 @@ def load(path: str | os.PathLike[str]) -> int:
     same recording loaded twice) is not added again.
     """
     global _loaded
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentTypeError(f"a recording is loaded from its directory's path, not {path!r}")
     _show_log_lines()  # get() warns of a capture that changed while it was sent
     if _server is not None and _server.running:
         return _server.store.load(path)
@@ -352,6 +359,8 @@ def ingest_all(overwrite: bool = False, namespace: dict[str, Any] | None = None)
     """
     from .ingest import ingest_all as ingest
 
+    if namespace is not None and not isinstance(namespace, dict):
+        raise ArgumentTypeError(f"namespace is a dict of variables (or None), not {namespace!r}")
     return ingest(_store(), overwrite, namespace)
 
 

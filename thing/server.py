@@ -60,6 +60,7 @@ class ServerInfo:
     dropped_transfers: int  # frames begun but not stored
     refused: int  # connections turned away at the cap
     steering: tuple[Statement, ...] = ()  # what the REPL set for running clients
+    running: bool = True  # False once closed
 
 
 class Server:
@@ -238,16 +239,15 @@ class Server:
         with self._lock:
             clients = len(self._connections)
         return ServerInfo(self.host, self.port, clients, self.dropped_transfers, self.refused,
-                          tuple(self.steering.statements()))
+                          tuple(self.steering.statements()), self.running)
 
     def __repr__(self) -> str:
         if not self.running:
             return f"<thing.Server {self.host}:{self.port}, not running>"
-        paths = "TCP" + (" and a Unix socket" if self.unix_path is not None else "")
-        token = ", token required" if self.token is not None else ""
-        kept = len(self.store)
-        return (f"<thing.Server listening at {self.host}:{self.port} over {paths}{token}; "
-                f"{self.store.received} received, {kept} kept>")
+        paths = "TCP" + (", Unix socket" if self.unix_path is not None else "")
+        token = ", token" if self.token is not None else ""
+        return (f"<thing.Server at {self.host}:{self.port} ({paths}{token}): "
+                f"{self.store.received} received, {len(self.store)} kept>")
 
     # -- queries: the REPL functions, for this server's store ------------------------
 

@@ -69,6 +69,8 @@ class Steering:
         many connected clients it was sent to."""
         if name is not None and not isinstance(name, str):
             raise ArgumentTypeError(f"a name is a str (or None: every name), not {name!r}")
+        if name is None and operation in ("request", "first"):
+            raise ArgumentError(f"{operation}() is for the calls of one name: give its name")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
                                  or rank not in wire.RANKS):
             raise ArgumentError(f"rank must be a rank number (or None: every rank), not {rank!r}")

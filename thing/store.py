@@ -246,10 +246,11 @@ class HistoryStore:
         return list(newest.values())
 
     def unsent(self, name: str | None = None) -> list[UnsentNotice]:
-        """Notices of captures senders could not send (of ``name``, or all), newest first."""
+        """Notices of captures senders could not send (of ``name``, or all), newest first;
+        a name's identifier finds them too, as it finds captures."""
         with self._lock:
             return [notice for notice in reversed(self._unsent.values())
-                    if name is None or notice.name == name]
+                    if name is None or _names(notice.name, name)]
 
     def release(self, nbytes: int, filled: int) -> None:
         """Give back a claim of ``nbytes`` (``filled`` of them arrived) not stored after all."""
@@ -569,7 +570,10 @@ class HistoryStore:
                       if identifier_for(known) == ident)
 
     def _unknown(self, name: str) -> str:
-        notice = next((n for n in reversed(self._unsent.values()) if n.name == name), None)
+        notice = next((n for n in reversed(self._unsent.values()) if _names(n.name, name)),
+                      None)
+        if notice is not None:
+            name = notice.name  # its own, if this is its identifier
         if notice is not None and notice.refused:
             return f"nothing named {name!r} was kept: this server refused it ({notice.reason})"
         if notice is not None:
@@ -760,6 +764,11 @@ def _arrival_of(capture: Capture) -> tuple[Any, ...]:
     """What tells one arrival from every other: no two captures of one sender and name
     share a call number and a time of arrival, and a recording keeps both."""
     return capture.name, capture.sender, capture.call, capture.received_at
+
+
+def _names(known: str | None, name: str) -> bool:
+    """Whether ``name`` is the name ``known``, or its identifier."""
+    return known == name or (known is not None and identifier_for(known) == name)
 
 
 def _newest_per_rank(history: deque[Capture]) -> list[tuple[Capture, int]]:
