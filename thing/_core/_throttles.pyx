@@ -295,25 +295,34 @@ def gated(catch, Throttles throttles, skipped):
 
     def gate(obj, name=None, server=None, every=1, first=None, *, copy=None, block=False,
              step=None, on_demand=False, int _depth=1):
-        options = {"copy": copy, "block": block, "step": step, "on_demand": on_demand}
-        if _depth != 1:  # a helper's catch(..., _depth=2): its caller's call site counts
-            options["_depth"] = _depth
-        elif on_demand is False:
-            if throttles.skips(name, every, first):
+        if _depth == 1:  # else a helper's catch(..., _depth=2): its caller's call site counts
+            if on_demand is False:
+                if throttles.skips(name, every, first):
+                    return skipped
+            elif on_demand is True and throttles.skips_on_demand(name):
                 return skipped
-        elif on_demand is True and throttles.skips_on_demand(name):
-            return skipped
         frames = _torch_frames()
         if frames is not None:
             compiled = frames.set_eval_frame(None)
             if compiled is not None:
                 try:
-                    return catch(obj, name, server, every, first, **options)
+                    return _call(catch, obj, name, server, every, first, copy, block, step,
+                                 on_demand, _depth)
                 finally:
                     frames.set_eval_frame(compiled)
-        return catch(obj, name, server, every, first, **options)
+        return _call(catch, obj, name, server, every, first, copy, block, step, on_demand,
+                     _depth)
 
     return functools.wraps(catch)(gate)
+
+
+cdef inline object _call(catch, obj, name, server, every, first, copy, block, step, on_demand,
+                        int depth):
+    if depth == 1:  # catch's own default: thing.catch takes no _depth
+        return catch(obj, name, server, every, first, copy=copy, block=block, step=step,
+                     on_demand=on_demand)
+    return catch(obj, name, server, every, first, copy=copy, block=block, step=step,
+                 on_demand=on_demand, _depth=depth)
 
 
 cdef dict _modules = sys.modules
@@ -321,6 +330,8 @@ cdef dict _modules = sys.modules
 
 cdef inline object _torch_frames():
     """torch's frame evaluation hooks (``torch._C._dynamo.eval_frame``) once torch.compile's
-    machinery is loaded, else None."""
+    machinery is loaded (``import torch`` loads the hooks, not the machinery), else None."""
+    if PyDict_GetItem(_modules, "torch._dynamo") is NULL:
+        return None
     cdef PyObject *module = PyDict_GetItem(_modules, "torch._C._dynamo.eval_frame")
     return None if module is NULL else <object>module
