@@ -378,6 +378,9 @@ class Client:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued capture was sent and acknowledged; False on timeout.
 
+        It waits until nothing is queued or unanswered: what other threads catch
+        meanwhile counts too (give a timeout where they never stop).
+
         From a signal handler or a finalizer that interrupted thing's own work on this
         thread (a catch), it returns False at once: that work may hold what the sender
         needs. The process's end delivers what is queued (``THING_FLUSH_TIMEOUT``).
