@@ -394,7 +394,8 @@ class Channel:
     def _close_wake(self) -> None:
         """Close the wake-up's descriptors, once: their numbers may be reused right after."""
         for fd in {self._wake_read, self._wake_fd} - {-1}:
-            os.close(fd)
+            with contextlib.suppress(OSError):  # closed by other code (the thread must end)
+                os.close(fd)
         self._wake_read = self._wake_fd = -1
 
     def _serve(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
