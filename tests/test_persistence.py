@@ -182,6 +182,25 @@ def test_a_loaded_capture_that_changed_while_sent_is_warned_of_as_a_received_one
     assert "'fine'" not in result.stderr
 
 
+def test_a_file_another_user_may_change_is_read_not_mapped(tmp_path: Path) -> None:
+    """A private mapping shows the file's later changes on pages not yet read: a file that
+    others may write (or that is theirs) could change what was checked, or be cut short
+    under the REPL (SIGBUS). What was loaded stays what was read."""
+    store = HistoryStore()
+    big = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: past what is copied anyway
+    store.add("big", big, (), big.nbytes, Sender("a:1"))
+    store.save(tmp_path / "rec")
+    [(_, segment)] = segments_of(tmp_path / "rec")
+    os.chmod(segment, 0o666)  # writable by others, as a shared directory's files may be
+    loaded = HistoryStore()
+    assert loaded.load(tmp_path / "rec") == 1
+    with open(segment, "r+b") as file:  # another user rewrites the data, then cuts it short
+        file.seek(-4096, os.SEEK_END)
+        file.write(b"\xff" * 4096)
+        file.truncate(4096)
+    assert np.array_equal(loaded.get("big").value, big)
+
+
 def test_ranks_flags_names_and_save_of_some_names(tmp_path: Path) -> None:
     store = HistoryStore()
     store.add("w", np.ones(2, np.float32), (), 8, Sender("a:1", "h1", 11, 0, 2),

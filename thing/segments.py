@@ -12,7 +12,8 @@ reader, because a file is untrusted bytes like a frame. It checks every
 length against the file before using it, validates each capture's header with
 the function that validates frames (:func:`thing.wire.decode_header`), and
 maps the file instead of reading it, so opening a large recording costs
-memory only for the arrays one looks at.
+memory only for the arrays one looks at; a file another user may change is
+read into memory instead.
 """
 
 from __future__ import annotations
@@ -278,13 +279,26 @@ def read_segment(path: Path, known_headers: KnownHeaders | None = None) -> Segme
     the file's size, every capture's header is validated as a frame's is. The
     arrays returned are the file itself, mapped copy-on-write (writing to one
     changes this process's copy only), or, for a segment of less than
-    MAX_COPIED_BYTES of arrays, a copy. ``known_headers`` carries what was
-    validated from one segment to the next.
+    MAX_COPIED_BYTES of arrays or a file another user may change (theirs, or
+    writable by others), a copy. ``known_headers`` carries what was validated
+    from one segment to the next.
     """
     try:
         return _read(path, KnownHeaders() if known_headers is None else known_headers)
     except ProtocolError as exc:  # a capture header, as the wire's validation found it
         raise BadRecording(f"{path}: {exc}") from None
+
+
+def _read_whole(descriptor: int, size: int, path: Path) -> bytearray:
+    """The ``size`` bytes of an open file, read into memory of this process's own."""
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        read = os.readv(descriptor, [view[got:]])
+        if not read:
+            raise BadRecording(f"{path} was cut short while it was read")
+        got += read
+    return data
 
 
 def _read(path: Path, known_headers: KnownHeaders) -> Segment:
@@ -306,12 +320,19 @@ def _read(path: Path, known_headers: KnownHeaders) -> Segment:
         size = info.st_size
         if size < 8:
             raise BadRecording(f"{path} is truncated: {size} bytes")
-        # Not mmap.mmap, which keeps a duplicate of the descriptor while it lives: a
-        # recording of more segments than the process may open descriptors would not load.
-        try:
-            mapped = map_file(descriptor, size)
-        except OSError as exc:  # out of map entries, most likely (see MAX_COPIED_BYTES)
-            raise BadRecording(f"{path} could not be mapped: {exc}") from None
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            # A file another user may change is read, not mapped: a private mapping shows
+            # the file's later changes on every page this process has not written, which
+            # would undo the checks below (a sparse tensor's indices rewritten once
+            # checked: out-of-bounds writes) or end the process (SIGBUS once truncated).
+            mapped: Any = _read_whole(descriptor, size, path)
+        else:
+            # Not mmap.mmap, which keeps a duplicate of the descriptor while it lives: a
+            # recording of more segments than the process may open descriptors would not load.
+            try:
+                mapped = map_file(descriptor, size)
+            except OSError as exc:  # out of map entries, most likely (see MAX_COPIED_BYTES)
+                raise BadRecording(f"{path} could not be mapped: {exc}") from None
     finally:
         os.close(descriptor)
     (header_len,) = struct.unpack_from("<Q", mapped, 0)
