@@ -53,9 +53,11 @@ print(json.dumps({"received": len(received), "told": told}), flush=True)
 """
 
 
-def start_rogue(mode: str, port: int) -> subprocess.Popen:
-    """A listener on ``port`` that pretends to be a thing server, as user nobody if we can."""
-    prelude = AS_NOBODY if os.geteuid() == 0 else ""
+def start_rogue(mode: str, port: int, as_nobody: bool = True) -> subprocess.Popen:
+    """A listener on ``port`` that pretends to be a thing server, as user nobody if we can
+    (and ``as_nobody``: a job told TCP sends nothing, not even a hello, to another user's
+    port unless it has a token)."""
+    prelude = AS_NOBODY if as_nobody and os.geteuid() == 0 else ""
     rogue = subprocess.Popen(
         [sys.executable, "-c", prelude + textwrap.dedent(ROGUE), mode, str(port)],
         env=script_env(PYTHONDONTWRITEBYTECODE="1"),
@@ -131,7 +133,7 @@ def test_a_token_less_client_does_not_trust_tcp_to_a_squatted_port(processes: li
 
 def test_a_refusal_from_a_peer_cannot_drive_the_jobs_terminal(processes: list) -> None:
     port = free_port()
-    rogue = start_rogue("refuse", port)
+    rogue = start_rogue("refuse", port, as_nobody=False)  # this user's: its reason is read
     processes.append(rogue)
     result = run_script(
         """

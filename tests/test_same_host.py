@@ -384,10 +384,13 @@ def run_as_nobody(code: str, port: int, **env: str) -> dict[str, Any]:
     return json.loads(result.stdout)
 
 
-def test_another_user_without_a_socket_of_its_own_sends_only_when_told_tcp(
-        server: thing.Server) -> None:
+def test_another_user_sends_to_a_server_on_this_machine_only_with_its_token(
+        server: thing.Server, caplog: pytest.LogCaptureFixture) -> None:
     """The client looks for sockets in its own user's directory: none there. Without a
-    token it will not take TCP to this host on trust, unless THING_TRANSPORT=tcp says so.
+    token it will not take TCP to this host on trust, unless THING_TRANSPORT=tcp says so;
+    and then the server, which can prove nothing either, refuses a peer of another user
+    (it could have injected captures, and overheard the REPL's steering). With the
+    token on both sides, it is let in.
 
     Nor could it use the server's socket: the 0700 directory denies it even a connect().
     """
@@ -406,13 +409,58 @@ def test_another_user_without_a_socket_of_its_own_sends_only_when_told_tcp(
     report = run_as_nobody(code, server.port)
     assert report["stored"] is False and report["denied"] is True
     assert "THING_TRANSPORT=tcp" in report["error"] and report["transport"] is None
+    with caplog.at_level(logging.WARNING, logger="thing"):
+        report = run_as_nobody(code, server.port, THING_TRANSPORT="tcp")
+    assert report["stored"] is False
+    assert any("refused a TCP peer of another user on this machine (uid 65534)" in message
+               for message in caplog.messages)
     assert "plain" not in server.store.names()
-    report = run_as_nobody(code, server.port, THING_TRANSPORT="tcp")
-    assert report["stored"] is True and report["transport"] == "tcp"
-    capture = server.capture("plain")
+    with thing.Server(port=0, token="shared secret") as guarded:
+        guarded.start()
+        report = run_as_nobody(code, guarded.port, THING_TRANSPORT="tcp",
+                               THING_TOKEN="shared secret")
+        assert report["stored"] is True and report["transport"] == "tcp"
+        capture = guarded.capture("plain")
     assert np.array_equal(capture.value, np.arange(5))
     assert capture.sender.address.startswith("127.0.0.1:")
     assert capture.sender.pid == report["pid"]
+
+
+def test_a_job_told_tcp_refuses_a_port_another_user_listens_on(tmp_path: Path) -> None:
+    """Another user listening first on the port a job sends to over TCP (an ssh tunnel's
+    end it failed to take) got every capture, and answered "stored" to each."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a listener as another user")
+    rogue = subprocess.Popen(
+        [sys.executable, "-c", AS_NOBODY + textwrap.dedent("""
+            import socket
+            listener = socket.socket()
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            print(listener.getsockname()[1], flush=True)
+            listener.settimeout(30)
+            try:
+                peer, _ = listener.accept()
+                peer.settimeout(5)
+                got = peer.recv(65536)
+            except OSError:
+                got = b""
+            print(len(got), flush=True)
+            """)],
+        env=script_env(PYTHONDONTWRITEBYTECODE="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(rogue.stdout.readline())
+        out = run_script("""
+            import numpy as np, thing
+            handle = thing.catch(np.arange(3), name="secret")
+            print(handle.wait(10), handle.error)
+            """, port, THING_TRANSPORT="tcp")
+        assert out.startswith("False") and "served by another user (uid 65534)" in out, out
+        assert rogue.stdout.readline().strip() == "0"  # not even a hello
+    finally:
+        rogue.kill()
+        rogue.communicate()
 
 
 def test_another_user_pointed_at_the_socket_is_denied_and_sends_nothing(

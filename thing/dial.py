@@ -26,6 +26,7 @@ from .sockets import (
     peer_uid,
     resolve,
     set_timeouts,
+    tcp_peer_uid,
     unix_socket_path,
 )
 
@@ -65,6 +66,15 @@ def dial(address: tuple[str, int], token: str | None, this_host: bool,
     token = configured or auth.client_token(address[1])
     sock, transport, here = _open(address, this_host, token)
     try:
+        if transport == "tcp" and here and token is None:
+            # Nothing can be proven: who listens must at least be this user (or root, whose
+            # port forwarders a container's ports are), as on the Unix socket.
+            owner = tcp_peer_uid(sock)
+            if owner not in (None, 0, os.getuid()):
+                raise HandshakeError(
+                    f"the TCP port {address[1]} on this machine is served by another user "
+                    f"(uid {owner}): not sending to it. To send to another user's server, "
+                    "give both sides a token (THING_TOKEN)")
         # TCP to this host counts only if the server proves the token: also when TCP was
         # forced, if this user has one (forced without any, nothing could be proven).
         tcp_here = transport == "tcp" and here and (

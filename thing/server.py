@@ -33,6 +33,7 @@ from .sockets import (
     peer_uid,
     remove_unix_socket,
     shutdown,
+    tcp_peer_uid,
     tune_stream,
     unix_socket_path,
 )
@@ -484,6 +485,12 @@ class Server:
                 uid = peer_uid(sock)
                 if uid not in (None, 0, os.getuid()):
                     raise HandshakeError(f"refused a Unix-socket peer of another user (uid {uid})")
+            elif self.token is None:  # listening on loopback: every peer is on this machine
+                uid = tcp_peer_uid(sock)
+                if uid not in (None, 0, os.getuid()):
+                    raise HandshakeError(f"refused a TCP peer of another user on this machine "
+                                         f"(uid {uid}): with a token on both sides "
+                                         "(THING_TOKEN), it may send")
             tune_stream(sock)
             sender = connection.handshake()
             log.debug("client connected: %s (pid %d on %s)", address, sender.pid, sender.hostname)

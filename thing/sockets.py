@@ -297,6 +297,36 @@ def peer_uid(sock: socket.socket) -> int | None:
     return uid
 
 
+def tcp_peer_uid(sock: socket.socket) -> int | None:
+    """The user id of the process at the other end of a TCP connection within this machine,
+    as Linux's socket tables (``/proc/net/tcp``, ``tcp6``) say; None where they do not.
+
+    The other end's socket is the one whose local address is our peer's and whose remote
+    address is ours. A socket a server accepted belongs to the user of its listener.
+    """
+    try:
+        ours, theirs = sock.getsockname()[:2], sock.getpeername()[:2]
+        wanted = (_table_address(theirs), _table_address(ours))
+        table = "/proc/net/tcp6" if sock.family == socket.AF_INET6 else "/proc/net/tcp"
+        with open(table) as rows:
+            for row in rows:
+                fields = row.split()
+                if len(fields) > 7 and (fields[1], fields[2]) == wanted:
+                    return int(fields[7])
+    except (OSError, ValueError):  # no such table (not Linux), or an address it cannot hold
+        pass
+    return None
+
+
+def _table_address(address: tuple[str, int]) -> str:
+    """An address as Linux's socket tables write it: the address's 32-bit words in the
+    machine's byte order, in hex, then the port."""
+    host, port = address[0].partition("%")[0], address[1]
+    packed = socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+    words = struct.unpack(f"={len(packed) // 4}I", packed)
+    return "".join(f"{word:08X}" for word in words) + f":{port:04X}"
+
+
 def is_this_host(host: str) -> bool:
     """True if ``host`` names this machine: loopback, the unspecified address, an address
     of one of its interfaces, ``localhost``, or this host's own name, however spelled.
