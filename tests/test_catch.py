@@ -190,6 +190,42 @@ class _StalledServer:
 STUCK = np.ones(64 << 20, dtype=np.uint8)
 
 
+def test_a_channel_that_cannot_start_its_thread_keeps_no_descriptor(monkeypatch) -> None:
+    """Out of threads, each catch tries to open its channel again: none may keep the
+    descriptors its sender would have woken on."""
+    import os
+
+    started = threading.Thread.start
+
+    def no_sender(thread: threading.Thread) -> None:
+        if thread.name.startswith("thing-send"):
+            raise RuntimeError("can't start new thread")
+        started(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", no_sender)
+    client = thing.Client("127.0.0.1", free_port())
+    try:
+        client.catch(1.0, name="x")  # the first: imports, and whatever it opens for good
+        before = len(os.listdir("/proc/self/fd"))
+        handles = [client.catch(1.0, name="x") for _ in range(50)]
+        assert all("can't start new thread" in handle.error for handle in handles)
+        assert len(os.listdir("/proc/self/fd")) <= before
+    finally:
+        client.close()
+
+
+def test_a_long_name_of_unprintable_characters_still_arrives(server: thing.Server) -> None:
+    """Escaped on the job's side, it would be past what a server takes: it is sent as it
+    is, and the server escapes it."""
+    client = thing.Client("127.0.0.1", server.port)
+    try:
+        handle = client.catch(np.ones(2), name="\x01" * 1100)
+        assert handle.wait(10), handle.error
+    finally:
+        client.close()
+    assert server.store.names() == [wire.printable("\x01" * 1100)]
+
+
 def test_full_queue_drops_without_blocking(monkeypatch) -> None:
     monkeypatch.setenv("THING_TRANSPORT", "tcp")  # the stalled server has no Unix socket
     stalled = _StalledServer()

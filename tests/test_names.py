@@ -150,6 +150,12 @@ def test_a_catch_called_back_by_c_code_gets_a_fallback_name_not_another_calls_te
     grab, weight = functools.partial(client.catch, every=1), 1.0
     assert grab(weight) == "weight"
 
+    class Helper:  # a class of Python code that catches for its caller: traced too
+        def __init__(self, value) -> None:
+            self.name = client.tracer.name_for(sys._getframe(1))[0]
+
+    assert Helper(weight * 2).name == "weight * 2"
+
 
 @needs_columns
 def test_several_catches_on_one_line(client):

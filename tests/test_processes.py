@@ -332,6 +332,21 @@ def test_dataloader_workers_carry_their_jobs_rank(server: thing.Server) -> None:
     assert server.store.get("main").sender.rank == 3
 
 
+def test_the_rank_follows_a_process_group_torch_keeps_elsewhere(server: thing.Server) -> None:
+    """torch's threaded process group (its own tests', DTensor's) replaces the record of
+    the default group that the rank is read from: read again each time, not kept."""
+    run_script("""
+        import torch, torch.distributed as dist, thing
+        from torch.testing._internal.distributed import multi_threaded_pg
+        assert thing.catch(0, name="before").wait(10)
+        multi_threaded_pg._install_threaded_pg()
+        dist.init_process_group("threaded", rank=0, world_size=1, store=dist.HashStore())
+        assert thing.catch(1, name="during").wait(10)
+    """, server.port, timeout=120)
+    assert (server.store.get("before").sender.rank, server.store.get("during").sender.rank,
+            server.store.get("during").sender.world_size) == (None, 0, 1)
+
+
 def test_the_rank_follows_the_process_group_as_it_comes_and_goes(server: thing.Server,
                                                                  tmp_path: Path) -> None:
     run_script(f"""
@@ -368,9 +383,17 @@ def test_catches_in_a_torch_compiled_function_arrive_under_their_names(
             thing.catch(g, every=2)
             return loss
 
-        compiled = torch.compile(step, backend="eager")
+        class Net(torch.nn.Module):  # a method: its resume functions are Net.torch_dynamo_...
+            def forward(self, x):
+                out = x.relu()
+                thing.catch(x.sum(), name="first")  # a graph break before the catch below
+                thing.catch(out)
+                return out
+
+        compiled, net = torch.compile(step, backend="eager"), torch.compile(Net(), backend="eager")
         for i in range(4):  # a new shape each step: torch compiles the step again, once
             compiled(torch.ones(i + 1, 3), torch.full((3, 4), float(i)))
+            net(torch.full((2,), float(i) - 1))
         assert thing._default_client.flush(30)
         assert not thing._default_client.undelivered, thing._default_client.undelivered
     """))
@@ -388,10 +411,13 @@ def test_catches_in_a_torch_compiled_function_arrive_under_their_names(
         expected["loss"].append((i + 1, loss))
         if i % 2 == 0:
             expected["g"].append((i + 1, loss * 2))
-    assert sorted(server.store.names()) == ["g", "h", "loss"]
+    assert sorted(server.store.names()) == ["first", "g", "h", "loss", "out"]
     for name, captures in expected.items():
         stored = server.store.get_all(name)
         assert [c.call for c in stored] == [call for call, _ in captures]
         for capture, (_, value) in zip(stored, captures):
             assert capture.value.shape == value.shape and torch.equal(capture.value, value)
             assert capture.call_site.endswith("(step)")
+    outs = server.store.get_all("out")
+    assert [c.value.tolist() for c in outs] == [[0.0, 0.0], [0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+    assert {c.call_site.rpartition(" ")[2] for c in outs} == {"(Net.forward)"}

@@ -960,6 +960,14 @@ def test_a_name_never_sent_is_found_by_its_identifier_too(default: thing.Server,
     with pytest.raises(KeyError, match="nothing named 'model.bad.thing' arrived: its sender "
                                        "could not send it"):
         thing.get("model_bad_thing")
+    # A name that is itself what another's identifier would be is found as itself first.
+    default.store.note_unsent(UnsentNotice("model_bad_thing", "Gadget", "its own reason",
+                                           None, sender, time.time() - 1))
+    default.store.note_unsent(UnsentNotice("model.bad.thing", "Widget", "unsupported type",
+                                           None, sender, time.time()))
+    assert [n.name for n in default.store.unsent("model_bad_thing")] == ["model_bad_thing"]
+    with pytest.raises(KeyError, match="'model_bad_thing' arrived: .*its own reason"):
+        thing.get("model_bad_thing")
 
 
 def test_capture_and_reports_show_as_html_in_notebooks(default: thing.Server) -> None:

@@ -149,7 +149,11 @@ class Channel:
         self._thread = threading.Thread(
             target=self._run, name=f"thing-send-{address[0]}:{address[1]}", daemon=True
         )
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:  # no thread (a limit, the interpreter's end): nor descriptors
+            self._close_wake()
+            raise
 
     @property
     def connected(self) -> bool:
@@ -393,10 +397,12 @@ class Channel:
 
     def _close_wake(self) -> None:
         """Close the wake-up's descriptors, once: their numbers may be reused right after."""
-        for fd in {self._wake_read, self._wake_fd} - {-1}:
+        descriptors = {self._wake_read, self._wake_fd} - {-1}
+        # Forgotten first: a fork while they are closed must not have the child close them.
+        self._wake_read = self._wake_fd = -1
+        for fd in descriptors:
             with contextlib.suppress(OSError):  # closed by other code (the thread must end)
                 os.close(fd)
-        self._wake_read = self._wake_fd = -1
 
     def _serve(self, sock: socket.socket, mac: auth.SessionMac | None) -> None:
         """Send and read on one connection until it ends or the channel closes; then settle

@@ -47,10 +47,12 @@ __all__ = ["CaptureHandle", "Client"]
 
 def _as_shown(name: str) -> str:
     r"""A name as the REPL shows it, and steers it (``"a\\tb"`` for ``"a\tb"``): so it is
-    caught, counted and steered under that name here too."""
-    from .wire import printable  # loaded with the first channel
+    caught, counted and steered under that name here too. One that escaped is longer than a
+    server takes stays as it is (the server escapes it; no steering names it anyway)."""
+    from .wire import MAX_CONTROL_NAME, printable  # loaded with the first channel
 
-    return printable(name)
+    shown = printable(name)
+    return shown if len(shown) <= MAX_CONTROL_NAME else name
 
 
 def _step_of(step: Any) -> int:
@@ -76,13 +78,15 @@ class _ProcessRank:
     def __init__(self) -> None:
         self._group: Any = self._UNREAD
         self._value: tuple[int | None, int | None] = (None, None)
-        # torch's record of its default group (what ``GroupMember.WORLD`` reads through two
-        # properties): one attribute away, the group costs a catch 1 us right after a
-        # training step instead of 11. Found once torch.distributed is loaded.
-        self._world: Any = None
+        # The module of torch's record of its default group (what ``GroupMember.WORLD``
+        # reads through two properties): two attributes away, the group costs a catch about
+        # 1 us right after a training step instead of 11. Found once torch.distributed is
+        # loaded. The record itself is read each time: torch may replace it (a threaded
+        # process group's, in torch's own tests).
+        self._c10d: Any = None
 
     def read(self) -> tuple[int | None, int | None]:
-        group = getattr(self._world, "_default_pg", self._UNREAD)
+        group = getattr(getattr(self._c10d, "_world", None), "_default_pg", self._UNREAD)
         if group is self._UNREAD:
             group = self._default_group()
         if group is not self._group:
@@ -96,9 +100,9 @@ class _ProcessRank:
         dist = sys.modules.get("torch.distributed")
         if dist is None:
             return None
-        world = getattr(sys.modules.get("torch.distributed.distributed_c10d"), "_world", None)
-        if hasattr(world, "_default_pg"):
-            self._world = world
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
+        if hasattr(getattr(c10d, "_world", None), "_default_pg"):
+            self._c10d = c10d
         return getattr(getattr(dist, "GroupMember", None), "WORLD", None)
 
     def after_fork(self) -> None:

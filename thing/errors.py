@@ -1,5 +1,7 @@
 """The exceptions thing raises."""
 
+from __future__ import annotations
+
 
 class ThingError(Exception):
     """Base class of every error thing raises on purpose."""

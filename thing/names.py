@@ -434,15 +434,16 @@ def call_site(frame: types.FrameType) -> CallSite:
     code = frame.f_code
     positions = _call_positions(code, frame.f_lasti)
     line = positions[0] if positions is not None else frame.f_lineno or 0
-    function = getattr(code, "co_qualname", code.co_name)
+    outer, dot, function = getattr(code, "co_qualname", code.co_name).rpartition(".")
     while function.startswith(_RESUMED) and "_at_" in function:  # see _RESUMED
         function = function[len(_RESUMED):].rpartition("_at_")[0]
-    return CallSite(code.co_filename, line, function)
+    return CallSite(code.co_filename, line, outer + dot + function)
 
 
 # torch.compile runs what follows a graph break (a catch is one) in a function it makes,
-# torch_dynamo_resume_in_<function>_at_<line>, whose lines are the user's: the catch is the
-# user's function's, whichever graph break came before it.
+# torch_dynamo_resume_in_<function>_at_<line> (Net.torch_dynamo_resume_in_forward_at_11 for
+# a method), whose lines are the user's: the catch is the user's function's, whichever graph
+# break came before it.
 _RESUMED = "torch_dynamo_resume_in_"
 
 
@@ -543,9 +544,12 @@ def _calls_catch(callee: ast.expr, frame: types.FrameType) -> bool:
             target = target.func
         if type(target) is types.MethodType:
             target = target.__func__
-        if issubclass(type(target), type):  # a class (isinstance might run code)
-            return False
-        if type(target) in _C_CALLABLES or type(target).__name__ == "cython_function_or_method":
+        kind = type(target)  # compared by identity, never ==: a metaclass may define that
+        if issubclass(kind, type):  # a class: C code if C made it (list, map), as no class
+            # in Python is (its __init__ may be a helper that catches with _depth)
+            return bool(_TYPE_FLAGS.__get__(target) & _HEAP_TYPE)
+        if any(kind is callable_type for callable_type in _C_CALLABLES) or (
+                kind.__name__ == "cython_function_or_method"):
             return target.__name__ == "catch"  # thing.catch, a Client's: compiled gates
     except Exception:  # an object that does not let itself be looked at: cannot tell
         pass
@@ -556,7 +560,20 @@ def _calls_catch(callee: ast.expr, frame: types.FrameType) -> bool:
 _C_CALLABLES = (types.BuiltinFunctionType, types.MethodDescriptorType,
                 types.WrapperDescriptorType, types.MethodWrapperType,
                 types.ClassMethodDescriptorType)
+# A class's flags as type keeps them (no metaclass's attribute of that name), and the one
+# that says a class was made by a class statement, not by C.
+_TYPE_FLAGS = type.__dict__["__flags__"]
+_HEAP_TYPE = 1 << 9
 _UNKNOWN: Any = object()
+
+
+def _locals_kind() -> type:
+    return type(sys._getframe().f_locals)
+
+
+# Namespaces looked into: plain dicts, and a function's locals as 3.13+ gives them (a proxy
+# of the frame's), not a class body's mapping, whose __contains__ may be anyone's.
+_NAMESPACES = (dict, _locals_kind())
 
 
 def _static_value(node: ast.expr, frame: types.FrameType) -> Any:
@@ -565,6 +582,8 @@ def _static_value(node: ast.expr, frame: types.FrameType) -> Any:
     ``_UNKNOWN`` for any other expression, or one not found so."""
     if isinstance(node, ast.Name):
         for namespace in (frame.f_locals, frame.f_globals, frame.f_builtins):
+            if not any(type(namespace) is kind for kind in _NAMESPACES):
+                return _UNKNOWN
             if node.id in namespace:
                 return namespace[node.id]
         return _UNKNOWN

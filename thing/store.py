@@ -249,8 +249,11 @@ class HistoryStore:
         """Notices of captures senders could not send (of ``name``, or all), newest first;
         a name's identifier finds them too, as it finds captures."""
         with self._lock:
-            return [notice for notice in reversed(self._unsent.values())
-                    if name is None or _names(notice.name, name)]
+            notices = list(reversed(self._unsent.values()))
+        if name is None:
+            return notices
+        return ([notice for notice in notices if notice.name == name]
+                or [notice for notice in notices if _names(notice.name, name)])
 
     def release(self, nbytes: int, filled: int) -> None:
         """Give back a claim of ``nbytes`` (``filled`` of them arrived) not stored after all."""
@@ -570,8 +573,9 @@ class HistoryStore:
                       if identifier_for(known) == ident)
 
     def _unknown(self, name: str) -> str:
-        notice = next((n for n in reversed(self._unsent.values()) if _names(n.name, name)),
-                      None)
+        notices = list(reversed(self._unsent.values()))
+        notice = next((n for n in notices if n.name == name),
+                      next((n for n in notices if _names(n.name, name)), None))
         if notice is not None:
             name = notice.name  # its own, if this is its identifier
         if notice is not None and notice.refused:
@@ -767,8 +771,8 @@ def _arrival_of(capture: Capture) -> tuple[Any, ...]:
 
 
 def _names(known: str | None, name: str) -> bool:
-    """Whether ``name`` is the name ``known``, or its identifier."""
-    return known == name or (known is not None and identifier_for(known) == name)
+    """Whether ``name`` is the identifier of the name ``known``."""
+    return known is not None and identifier_for(known) == name
 
 
 def _newest_per_rank(history: deque[Capture]) -> list[tuple[Capture, int]]:
