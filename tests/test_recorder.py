@@ -163,6 +163,27 @@ def test_a_staging_folder_that_is_a_link_is_refused_and_its_target_untouched(
         pass
 
 
+def test_a_directory_others_may_write_to_is_not_recorded_or_saved_into(tmp_path: Path) -> None:
+    """Another user could put segments of their own among the recording's (a later load
+    takes them for its captures), or take its own away."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # made by someone else for everyone, as /tmp/run may be
+    with pytest.raises(ThingError, match="anyone may write to it"):
+        Recorder(HistoryStore(), shared).start()
+    store = HistoryStore()
+    store.add("x", 1.0, (), 0, Sender("a:1"))
+    with pytest.raises(ThingError, match="anyone may write to it"):
+        store.save(shared)
+    assert list(shared.iterdir()) == []
+    if os.geteuid() == 0:  # another user's, made for us (0755): theirs all the same
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(ThingError, match="another user's"):
+            Recorder(HistoryStore(), theirs).start()
+
+
 @pytest.mark.parametrize("seconds", [float("inf"), 1e300, float("nan"), 0.0, -1.0])
 def test_a_segment_time_that_is_no_time_is_refused(tmp_path: Path, seconds: float) -> None:
     # inf overflowed the writer's wait: every capture was lost, and 0 reported recorded.

@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Union
@@ -53,7 +54,12 @@ def segments_of(directory: Path) -> list[tuple[int, Path]]:
 def lock_for_writing(directory: Path) -> int:
     """Hold ``directory``'s writer lock, which a recorder holds while it runs and a save
     into an existing directory while it saves (released when the descriptor closes);
-    ThingError if another holds it."""
+    ThingError if another holds it, or if the directory is another user's or anyone may
+    write to it: they could put segments of their own among ours, or take ours away."""
+    info = os.stat(directory)
+    if info.st_uid != os.getuid() or info.st_mode & stat.S_IWOTH:
+        raise ThingError(f"{directory} is another user's, or anyone may write to it; record "
+                         "or save into a directory of your own")
     # O_NOFOLLOW: the lock is the recording's own file, never a link to elsewhere.
     descriptor = os.open(directory / WRITER_LOCK,
                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
