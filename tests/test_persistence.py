@@ -201,6 +201,28 @@ def test_a_file_another_user_may_change_is_read_not_mapped(tmp_path: Path) -> No
     assert np.array_equal(loaded.get("big").value, big)
 
 
+def test_a_file_another_user_may_change_is_read_only_as_far_as_its_header_allows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read, not mapped, it must not cost what its size claims before its header is
+    checked (a sparse file of a terabyte was a MemoryError, of 2 GiB 2 GB and 10 s), nor
+    more than the history may hold."""
+    store = HistoryStore()
+    big = np.arange(1 << 19, dtype=np.float32)
+    store.add("big", big, (), big.nbytes, Sender("a:1"))
+    store.save(tmp_path / "rec")
+    [(_, segment)] = segments_of(tmp_path / "rec")
+    os.chmod(segment, 0o666)
+    monkeypatch.setenv("THING_STORE_BYTES", str(1 << 20))
+    with pytest.raises(BadRecording, match=r"copy the recording \(cp -r\)"):
+        HistoryStore().load(tmp_path / "rec")
+    monkeypatch.delenv("THING_STORE_BYTES")
+    with open(segment, "r+b") as file:  # a header that says nothing, a terabyte claimed
+        file.write(b"\x08" + b"\x00" * 7 + b"not json")
+        file.truncate(1 << 40)
+    with pytest.raises(BadRecording, match="safetensors header"):
+        HistoryStore().load(tmp_path / "rec")
+
+
 def test_ranks_flags_names_and_save_of_some_names(tmp_path: Path) -> None:
     store = HistoryStore()
     store.add("w", np.ones(2, np.float32), (), 8, Sender("a:1", "h1", 11, 0, 2),

@@ -411,7 +411,10 @@ def test_another_user_sends_to_a_server_on_this_machine_only_with_its_token(
     assert "THING_TRANSPORT=tcp" in report["error"] and report["transport"] is None
     with caplog.at_level(logging.WARNING, logger="thing"):
         report = run_as_nobody(code, server.port, THING_TRANSPORT="tcp")
-    assert report["stored"] is False
+        # Over IPv6's socket, with the IPv4 address mapped: its end is listed with IPv6's.
+        mapped = run_as_nobody(code, server.port, THING_TRANSPORT="tcp",
+                               THING_SERVER="[::ffff:127.0.0.1]")
+    assert report["stored"] is False and mapped["stored"] is False
     assert any("refused a TCP peer of another user on this machine (uid 65534)" in message
                for message in caplog.messages)
     assert "plain" not in server.store.names()
@@ -426,16 +429,33 @@ def test_another_user_sends_to_a_server_on_this_machine_only_with_its_token(
     assert capture.sender.pid == report["pid"]
 
 
-def test_a_job_told_tcp_refuses_a_port_another_user_listens_on(tmp_path: Path) -> None:
+def test_a_tcp_peer_that_closes_at_once_has_no_owner() -> None:
+    """The socket tables show a closing socket as root's, whoever's it was: a peer that
+    sends its hello and closes before it is looked up must not pass for root."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        peer = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        with accepted:
+            assert thing.sockets.tcp_peer_uid(accepted) == os.getuid()
+            peer.sendall(b"hello")
+            peer.close()
+            poll(lambda: thing.sockets.tcp_peer_uid(accepted) == thing.sockets.NO_OWNER,
+                 what="the closed peer without an owner")
+            assert accepted.recv(5) == b"hello"  # what it sent is still there to read
+
+
+@pytest.mark.parametrize("listening", ["127.0.0.1", "::"], ids=["ipv4", "dual-stack"])
+def test_a_job_told_tcp_refuses_a_port_another_user_listens_on(listening: str) -> None:
     """Another user listening first on the port a job sends to over TCP (an ssh tunnel's
-    end it failed to take) got every capture, and answered "stored" to each."""
+    end it failed to take) got every capture, and answered "stored" to each. A dual-stack
+    listener's end of an IPv4 connection is listed with IPv6's sockets: looked for there."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run a listener as another user")
     rogue = subprocess.Popen(
-        [sys.executable, "-c", AS_NOBODY + textwrap.dedent("""
+        [sys.executable, "-c", AS_NOBODY + textwrap.dedent(f"""
             import socket
-            listener = socket.socket()
-            listener.bind(("127.0.0.1", 0))
+            listener = socket.socket(socket.AF_INET6 if ":" in {listening!r} else socket.AF_INET)
+            listener.bind(({listening!r}, 0))
             listener.listen()
             print(listener.getsockname()[1], flush=True)
             listener.settimeout(30)
@@ -455,7 +475,7 @@ def test_a_job_told_tcp_refuses_a_port_another_user_listens_on(tmp_path: Path) -
             import numpy as np, thing
             handle = thing.catch(np.arange(3), name="secret")
             print(handle.wait(10), handle.error)
-            """, port, THING_TRANSPORT="tcp")
+            """, port, THING_TRANSPORT="tcp", THING_SERVER="127.0.0.1")
         assert out.startswith("False") and "served by another user (uid 65534)" in out, out
         assert rogue.stdout.readline().strip() == "0"  # not even a hello
     finally:

@@ -19,6 +19,7 @@ from . import auth, config, shm, wire
 from ._core import send_buffers
 from .errors import HandshakeError
 from .sockets import (
+    NO_OWNER,
     connect,
     connect_resolved,
     connect_unix,
@@ -71,10 +72,12 @@ def dial(address: tuple[str, int], token: str | None, this_host: bool,
             # port forwarders a container's ports are), as on the Unix socket.
             owner = tcp_peer_uid(sock)
             if owner not in (None, 0, os.getuid()):
+                whose = ("by no one the system shows" if owner == NO_OWNER
+                         else f"by another user (uid {owner})")
                 raise HandshakeError(
-                    f"the TCP port {address[1]} on this machine is served by another user "
-                    f"(uid {owner}): not sending to it. To send to another user's server, "
-                    "give both sides a token (THING_TOKEN)")
+                    f"the TCP port {address[1]} on this machine is served {whose}: not "
+                    "sending to it. To send to another user's server, give both sides a "
+                    "token (THING_TOKEN)")
         # TCP to this host counts only if the server proves the token: also when TCP was
         # forced, if this user has one (forced without any, nothing could be proven).
         tcp_here = transport == "tcp" and here and (

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from . import wire
+from . import config, wire
 from ._core import map_file
 from .arrays import CARRIER_DTYPES, LeafSpec
 from .captures import Capture, Sender
@@ -289,10 +289,14 @@ def read_segment(path: Path, known_headers: KnownHeaders | None = None) -> Segme
         raise BadRecording(f"{path}: {exc}") from None
 
 
-def _read_whole(descriptor: int, size: int, path: Path) -> bytearray:
-    """The ``size`` bytes of an open file, read into memory of this process's own."""
-    data = bytearray(size)
+def _read_at(descriptor: int, offset: int, size: int, path: Path) -> bytearray:
+    """``size`` bytes of an open file from ``offset``, read into this process's own memory."""
+    try:
+        data = bytearray(size)
+    except MemoryError:
+        raise BadRecording(f"{path}: no memory for the {size} bytes it holds") from None
     view, got = memoryview(data), 0
+    os.lseek(descriptor, offset, os.SEEK_SET)
     while got < size:
         read = os.readv(descriptor, [view[got:]])
         if not read:
@@ -320,12 +324,14 @@ def _read(path: Path, known_headers: KnownHeaders) -> Segment:
         size = info.st_size
         if size < 8:
             raise BadRecording(f"{path} is truncated: {size} bytes")
-        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            # A file another user may change is read, not mapped: a private mapping shows
-            # the file's later changes on every page this process has not written, which
-            # would undo the checks below (a sparse tensor's indices rewritten once
-            # checked: out-of-bounds writes) or end the process (SIGBUS once truncated).
-            mapped: Any = _read_whole(descriptor, size, path)
+        # A file another user may change is read, not mapped: a private mapping shows the
+        # file's later changes on every page this process has not written, which would
+        # undo the checks below (a sparse tensor's indices rewritten once checked: writes
+        # out of bounds) or end the process (SIGBUS once truncated). Its header first: the
+        # rest is read only once the header says what it holds, as much as the store may.
+        foreign = info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if foreign:
+            mapped: Any = _read_at(descriptor, 0, min(size, 8 + MAX_FILE_HEADER), path)
         else:
             # Not mmap.mmap, which keeps a duplicate of the descriptor while it lives: a
             # recording of more segments than the process may open descriptors would not load.
@@ -333,8 +339,34 @@ def _read(path: Path, known_headers: KnownHeaders) -> Segment:
                 mapped = map_file(descriptor, size)
             except OSError as exc:  # out of map entries, most likely (see MAX_COPIED_BYTES)
                 raise BadRecording(f"{path} could not be mapped: {exc}") from None
+        header_len, records, dropped, tensors = _header(mapped, size, path)
+        data_start = 8 + header_len
+        if foreign:
+            if size - data_start > config.store_max_bytes():
+                raise BadRecording(
+                    f"{path} is another user's (or others may write to it), so it is read, "
+                    f"not mapped, and its {size - data_start} bytes of arrays are more than "
+                    "the history may hold (THING_STORE_BYTES): copy the recording (cp -r) "
+                    "to load it from files of your own")
+            mapped, data_start = _read_at(descriptor, data_start, size - data_start, path), 0
     finally:
         os.close(descriptor)
+    if size - data_start < MAX_COPIED_BYTES:  # the mapping goes with this function's end
+        mapped, data_start = bytearray(memoryview(mapped)[data_start:]), 0
+    # As a server would take them, and as large as they are (this server may take less).
+    limits = wire.Limits()
+    limits = replace(limits, max_capture_bytes=max(limits.max_capture_bytes, size))
+    captures = [_capture(index, record, tensors, mapped, data_start, limits, known_headers,
+                         path) for index, record in enumerate(records)]
+    if sum(len(c.capture.leaves) for c in captures) != len(tensors):
+        raise BadRecording(f"{path} holds tensors that no capture uses")
+    return Segment(captures, dropped)
+
+
+def _header(mapped: Any, size: int, path: Path
+            ) -> tuple[int, list[Any], dict[str, int], Any]:
+    """A segment's header, checked: its length, its captures' records, how many captures
+    its writer dropped, and its tensor table (checked against the ``size`` of the file)."""
     (header_len,) = struct.unpack_from("<Q", mapped, 0)
     if header_len > min(size - 8, MAX_FILE_HEADER):
         raise BadRecording(f"{path}: its header claims {header_len} bytes but the file "
@@ -348,18 +380,7 @@ def _read(path: Path, known_headers: KnownHeaders) -> Segment:
         raise BadRecording(f"{path}: the safetensors header is not a JSON object")
     metadata = document.pop("__metadata__", None)
     records, dropped = _thing_metadata(metadata, path)
-    data_start = 8 + header_len
-    tensors = _tensor_table(document, size - data_start, path)
-    if size - data_start < MAX_COPIED_BYTES:  # the mapping goes with this function's end
-        mapped, data_start = bytearray(memoryview(mapped)[data_start:]), 0
-    # As a server would take them, and as large as they are (this server may take less).
-    limits = wire.Limits()
-    limits = replace(limits, max_capture_bytes=max(limits.max_capture_bytes, size))
-    captures = [_capture(index, record, tensors, mapped, data_start, limits, known_headers,
-                         path) for index, record in enumerate(records)]
-    if sum(len(c.capture.leaves) for c in captures) != len(tensors):
-        raise BadRecording(f"{path} holds tensors that no capture uses")
-    return Segment(captures, dropped)
+    return header_len, records, dropped, _tensor_table(document, size - 8 - header_len, path)
 
 
 def _check_cost(raw: bytes, path: Path) -> None:

@@ -28,6 +28,7 @@ from .history_stats import StatsWorker
 from .log import log
 from .overrides import Statement
 from .sockets import (
+    NO_OWNER,
     listen,
     listen_unix,
     peer_uid,
@@ -488,9 +489,10 @@ class Server:
             elif self.token is None:  # listening on loopback: every peer is on this machine
                 uid = tcp_peer_uid(sock)
                 if uid not in (None, 0, os.getuid()):
-                    raise HandshakeError(f"refused a TCP peer of another user on this machine "
-                                         f"(uid {uid}): with a token on both sides "
-                                         "(THING_TOKEN), it may send")
+                    whose = ("that closed at once, or hides" if uid == NO_OWNER
+                             else f"of another user on this machine (uid {uid})")
+                    raise HandshakeError(f"refused a TCP peer {whose}: with a token on both "
+                                         "sides (THING_TOKEN), another user's may send")
             tune_stream(sock)
             sender = connection.handshake()
             log.debug("client connected: %s (pid %d on %s)", address, sender.pid, sender.hostname)

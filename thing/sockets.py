@@ -297,32 +297,64 @@ def peer_uid(sock: socket.socket) -> int | None:
     return uid
 
 
+# What tcp_peer_uid answers when the socket tables show this end of a connection but not
+# the other end, established: it closed at once (the tables show a closing socket as
+# root's, whatever its user), or hides. Never let in.
+NO_OWNER = -1
+
+# Linux's socket tables, IPv4's and IPv6's (where a socket of either family that carries
+# IPv4 is listed, under ::ffff:a.b.c.d): one end of a connection may be in each.
+_SOCKET_TABLES = (("/proc/net/tcp", 4), ("/proc/net/tcp6", 6))
+_ESTABLISHED = "01"
+
+
 def tcp_peer_uid(sock: socket.socket) -> int | None:
     """The user id of the process at the other end of a TCP connection within this machine,
-    as Linux's socket tables (``/proc/net/tcp``, ``tcp6``) say; None where they do not.
+    as Linux's socket tables (``/proc/net/tcp``, ``tcp6``) say; :data:`NO_OWNER` if they
+    show this end but not the other, established; None if they show neither (not Linux,
+    or tables that list nothing).
 
     The other end's socket is the one whose local address is our peer's and whose remote
     address is ours. A socket a server accepted belongs to the user of its listener.
     """
     try:
         ours, theirs = sock.getsockname()[:2], sock.getpeername()[:2]
-        wanted = (_table_address(theirs), _table_address(ours))
-        table = "/proc/net/tcp6" if sock.family == socket.AF_INET6 else "/proc/net/tcp"
-        with open(table) as rows:
-            for row in rows:
-                fields = row.split()
-                if len(fields) > 7 and (fields[1], fields[2]) == wanted:
-                    return int(fields[7])
-    except (OSError, ValueError):  # no such table (not Linux), or an address it cannot hold
-        pass
-    return None
+    except OSError:  # closed already
+        return NO_OWNER
+    seen_ours = False
+    for table, version in _SOCKET_TABLES:
+        our_address, their_address = _table_address(ours, version), _table_address(theirs, version)
+        if our_address is None or their_address is None:
+            continue
+        try:
+            with open(table) as rows:
+                for row in rows:
+                    fields = row.split()
+                    if len(fields) < 10:
+                        continue
+                    if (fields[1], fields[2]) == (our_address, their_address):
+                        seen_ours = True
+                    elif ((fields[1], fields[2]) == (their_address, our_address)
+                          and fields[3] == _ESTABLISHED):  # not yet accepted: the listener's
+                        return int(fields[7])
+        except (OSError, ValueError):  # no such table (not Linux), or a row it cannot read
+            continue
+    return NO_OWNER if seen_ours else None
 
 
-def _table_address(address: tuple[str, int]) -> str:
-    """An address as Linux's socket tables write it: the address's 32-bit words in the
-    machine's byte order, in hex, then the port."""
-    host, port = address[0].partition("%")[0], address[1]
-    packed = socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+def _table_address(address: tuple[str, int], version: int) -> str | None:
+    """An address as Linux's IPv4 or IPv6 socket table writes it (the address's 32-bit
+    words in the machine's byte order, in hex, then the port); None if that table cannot
+    hold it."""
+    host, port = ipaddress.ip_address(address[0].partition("%")[0]), address[1]
+    if version == 4:
+        if isinstance(host, ipaddress.IPv6Address):
+            if host.ipv4_mapped is None:
+                return None
+            host = host.ipv4_mapped
+    elif isinstance(host, ipaddress.IPv4Address):
+        host = ipaddress.IPv6Address(f"::ffff:{host}")
+    packed = host.packed
     words = struct.unpack(f"={len(packed) // 4}I", packed)
     return "".join(f"{word:08X}" for word in words) + f":{port:04X}"
 
