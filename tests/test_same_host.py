@@ -415,6 +415,7 @@ def test_another_user_sends_to_a_server_on_this_machine_only_with_its_token(
         mapped = run_as_nobody(code, server.port, THING_TRANSPORT="tcp",
                                THING_SERVER="[::ffff:127.0.0.1]")
     assert report["stored"] is False and mapped["stored"] is False
+    assert "refused a TCP peer of another user on this machine" in report["error"]  # told why
     assert any("refused a TCP peer of another user on this machine (uid 65534)" in message
                for message in caplog.messages)
     assert "plain" not in server.store.names()

@@ -183,8 +183,9 @@ class Connection:
 
     # -- handshake -----------------------------------------------------------------
 
-    def handshake(self) -> Sender:
-        """Greet the peer (and check its token); return who it is. Raises HandshakeError."""
+    def handshake(self, refusal: str | None = None) -> Sender:
+        """Greet the peer (and check its token); return who it is. Raises HandshakeError,
+        also, once its hello is read, with ``refusal`` told to it, if given."""
         sock, settings = self.sock, self.settings
         set_timeouts(sock, settings.idle_timeout, settings.idle_timeout)
         self._deadline.start()
@@ -199,6 +200,9 @@ class Connection:
                 self._refuse(str(exc))
             raise
         info = wire.decode_handshake_info(self._stream.read(length))
+        if refusal is not None:
+            self._refuse(refusal)
+            raise HandshakeError(refusal)
         # Only a client that said so may pass descriptors: from any other they are read
         # with no room for them, so the kernel closes any sent anyway, and a shared-memory
         # frame finds none to take and is refused.

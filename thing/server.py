@@ -482,19 +482,22 @@ class Server:
     def _serve_connection(self, connection: receiver.Connection) -> None:
         sock, address = connection.sock, connection.address
         try:
+            refusal = None
             if connection.local:
                 uid = peer_uid(sock)
                 if uid not in (None, 0, os.getuid()):
                     raise HandshakeError(f"refused a Unix-socket peer of another user (uid {uid})")
             elif self.token is None:  # listening on loopback: every peer is on this machine
                 uid = tcp_peer_uid(sock)
+                if uid == NO_OWNER:
+                    raise HandshakeError("refused a TCP peer that closed at once, or hides")
                 if uid not in (None, 0, os.getuid()):
-                    whose = ("that closed at once, or hides" if uid == NO_OWNER
-                             else f"of another user on this machine (uid {uid})")
-                    raise HandshakeError(f"refused a TCP peer {whose}: with a token on both "
-                                         "sides (THING_TOKEN), another user's may send")
+                    # Told why once its hello is read (it would think no server listens).
+                    refusal = (f"refused a TCP peer of another user on this machine (uid {uid});"
+                               " THING_TOKEN set alike on both sides lets another user's job "
+                               "send")
             tune_stream(sock)
-            sender = connection.handshake()
+            sender = connection.handshake(refusal)
             log.debug("client connected: %s (pid %d on %s)", address, sender.pid, sender.hostname)
             self.steering.attach(connection)
             connection.serve()
