@@ -323,10 +323,11 @@ def tcp_peer_uid(sock: socket.socket) -> int | None:
         return NO_OWNER
     seen_ours = False
     for table, version in _SOCKET_TABLES:
-        our_address, their_address = _table_address(ours, version), _table_address(theirs, version)
-        if our_address is None or their_address is None:
-            continue
         try:
+            our_address = _table_address(ours, version)
+            their_address = _table_address(theirs, version)
+            if our_address is None or their_address is None:
+                continue
             with open(table) as rows:
                 for row in rows:
                     fields = row.split()
@@ -337,7 +338,7 @@ def tcp_peer_uid(sock: socket.socket) -> int | None:
                     elif ((fields[1], fields[2]) == (their_address, our_address)
                           and fields[3] == _ESTABLISHED):  # not yet accepted: the listener's
                         return int(fields[7])
-        except (OSError, ValueError):  # no such table (not Linux), or a row it cannot read
+        except (OSError, ValueError):  # no such table (not Linux), or what it cannot hold
             continue
     return NO_OWNER if seen_ours else None
 
