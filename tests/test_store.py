@@ -15,7 +15,7 @@ import thing
 from thing.arrays import LeafSpec
 from thing.captures import Sender
 from thing.errors import LimitExceeded
-from thing.store import NAME_BYTES, RECORD_BYTES, HistoryStore
+from thing.store import NAME_BYTES, RECORD_BYTES, Announcement, HistoryStore
 
 SENDER = Sender("127.0.0.1:1", "host", 1)
 
@@ -387,3 +387,21 @@ def test_names_that_never_repeat_are_held_to_the_cap_too() -> None:
     assert store.held_bytes <= store.max_bytes and store.names()[-1] == "step4999/loss"
     store.clear()
     assert store.held_bytes == 0
+
+
+def test_a_run_and_an_announcement_each_show_in_a_line_of_80_columns() -> None:
+    """thing.runs() and thing.available() echo in the REPL: their dataclasses' own reprs
+    were 375 and 700 columns, with raw epoch floats."""
+    store = HistoryStore()
+    job = Sender("127.0.0.1:5", "gpu-node-17.cluster.example.org", 4242, 0, 8,
+                 run="20261203-070224-692e3c")
+    for name in ("loss", "model.transformer.h.11.attn.c_proj.weight", "lr"):
+        store.add(name, 1.0, (), 0, job)
+    store.note_available(Announcement("attn_probs", "torch.Tensor", (1024, 1024),
+                                      "bfloat16", "train.py:142 (step)", job, time.time()))
+    [run] = store.runs()
+    [announced] = store.available()
+    assert repr(run).startswith("Run('20261203-070224-692e3c': 3 captures, rank 0, ")
+    assert repr(announced) == ("Announcement('attn_probs': torch.Tensor (1024, 1024) "
+                               "bfloat16, pid 4242 rank 0)")
+    assert max(len(repr(run)), len(repr(announced))) <= 80

@@ -61,6 +61,12 @@ class Run:
     ranks: tuple[int, ...]
     names: tuple[str, ...]
 
+    def __repr__(self) -> str:  # a line of a terminal, not every field in full
+        ranks = ("" if not self.ranks else f", rank {self.ranks[0]}" if len(self.ranks) == 1
+                 else f", ranks {min(self.ranks)}-{max(self.ranks)}")
+        return (f"Run({self.id!r}: {self.captures} captures{ranks}, {_time(self.start)}-"
+                f"{_time(self.end)}, {len(self.names)} names)")
+
 
 @dataclass(frozen=True)
 class Announcement:
@@ -74,6 +80,12 @@ class Announcement:
     call_site: str | None
     sender: Sender
     at: float
+
+    def __repr__(self) -> str:  # a line of a terminal, not every field in full
+        looks = " ".join(str(part) for part in (self.type_name, self.shape, self.dtype)
+                         if part is not None)
+        rank = "" if self.sender.rank is None else f" rank {self.sender.rank}"
+        return f"Announcement({self.name!r}: {looks}, pid {self.sender.pid}{rank})"
 
 
 @dataclass(frozen=True)
@@ -768,6 +780,10 @@ def _arrival_of(capture: Capture) -> tuple[Any, ...]:
     """What tells one arrival from every other: no two captures of one sender and name
     share a call number and a time of arrival, and a recording keeps both."""
     return capture.name, capture.sender, capture.call, capture.received_at
+
+
+def _time(timestamp: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(timestamp))
 
 
 def _names(known: str | None, name: str) -> bool:
