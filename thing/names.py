@@ -534,9 +534,9 @@ def _calls_catch(callee: ast.expr, frame: types.FrameType) -> bool:
     catch called by C code (``map(thing.catch, xs)``, ``loop.call_soon(thing.catch, x)``,
     whose ``Context.run(self._callback, *self._args)`` runs it) has the frame of the code
     that called that C code above it: the first argument of that call is not what was
-    caught, and every such use would share its text as a name. C code calls catch so,
-    and a class or C function other than catch is C code; Python code would have a frame
-    of its own between them (one skipped on purpose with ``_depth`` included).
+    caught, and every such use would share its text as a name. C code calls catch so:
+    a C function other than catch, or a class C made; Python code would have a frame of
+    its own between them (one skipped on purpose with ``_depth`` included).
     """
     try:
         target = _static_value(callee, frame)
