@@ -28,6 +28,7 @@ from .sockets import (
     resolve,
     set_timeouts,
     tcp_peer_uid,
+    trusted_owner,
     unix_socket_path,
 )
 
@@ -71,7 +72,7 @@ def dial(address: tuple[str, int], token: str | None, this_host: bool,
             # Nothing can be proven: who listens must at least be this user (or root, whose
             # port forwarders a container's ports are), as on the Unix socket.
             owner = tcp_peer_uid(sock)
-            if owner not in (None, 0, os.getuid()):
+            if not trusted_owner(owner):
                 whose = ("by no one the system shows" if owner == NO_OWNER
                          else f"by another user (uid {owner})")
                 raise HandshakeError(
@@ -130,7 +131,7 @@ def _open(address: tuple[str, int], this_host: bool, token: str | None
             why = f"the Unix socket {path} is unusable ({exc})"
         else:
             owner = peer_uid(sock)
-            if owner in (None, 0, os.getuid()):
+            if trusted_owner(owner):
                 return sock, "shm" if wanted == "shm" and shm.AVAILABLE else "unix", True
             sock.close()
             why = f"the Unix socket {path} is served by another user (uid {owner})"

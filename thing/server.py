@@ -35,6 +35,7 @@ from .sockets import (
     remove_unix_socket,
     shutdown,
     tcp_peer_uid,
+    trusted_owner,
     tune_stream,
     unix_socket_path,
 )
@@ -485,13 +486,13 @@ class Server:
             refusal = None
             if connection.local:
                 uid = peer_uid(sock)
-                if uid not in (None, 0, os.getuid()):
+                if not trusted_owner(uid):
                     raise HandshakeError(f"refused a Unix-socket peer of another user (uid {uid})")
             elif self.token is None:  # listening on loopback: every peer is on this machine
                 uid = tcp_peer_uid(sock)
                 if uid == NO_OWNER:
                     raise HandshakeError("refused a TCP peer that closed at once, or hides")
-                if uid not in (None, 0, os.getuid()):
+                if not trusted_owner(uid):
                     # Told why once its hello is read (it would think no server listens).
                     refusal = (f"refused a TCP peer of another user on this machine (uid {uid});"
                                " THING_TOKEN set alike on both sides lets another user's job "

@@ -308,6 +308,13 @@ _SOCKET_TABLES = (("/proc/net/tcp", 4), ("/proc/net/tcp6", 6))
 _ESTABLISHED = "01"
 
 
+def trusted_owner(uid: int | None) -> bool:
+    """Whether a peer on this machine owned by ``uid`` may be talked to without a token:
+    this user, root (which can read anything of ours anyway; a container's port forwarder),
+    or one the system does not tell (None). Never :data:`NO_OWNER`."""
+    return uid in (None, 0, os.getuid())
+
+
 def tcp_peer_uid(sock: socket.socket) -> int | None:
     """The user id of the process at the other end of a TCP connection within this machine,
     as Linux's socket tables (``/proc/net/tcp``, ``tcp6``) say; :data:`NO_OWNER` if they
