@@ -119,10 +119,12 @@ def test_a_tensor_resized_after_the_call_is_reported_and_the_stream_stays_in_ste
     header said. Sent anyway, the rest of a grown one read as the next frame (a capture
     the job never made) and a shrunk one ate the next frame's bytes: now it is not sent,
     and says why. (Small ones with copy=False wait for the sender's tick, 50 ms: the
-    change comes first.)"""
+    change comes first. Connected first: a capture queued while the job connects goes as
+    soon as the connection is up, which a busy machine may delay past the change.)"""
     run_script(
         """
         import torch, thing
+        assert thing.catch(0, name="connected").wait(10)
         grown = torch.ones(256)
         handle = thing.catch(grown, name="grown", copy=False)
         grown.data = torch.ones(512)
@@ -136,7 +138,7 @@ def test_a_tensor_resized_after_the_call_is_reported_and_the_stream_stays_in_ste
         """,
         server.port,
     )
-    assert set(server.store.names()) == {"later"}
+    assert set(server.store.names()) == {"connected", "later"}
     assert [c.value.tolist() for c in server.store.get_all("later")] == [
         [0.0] * 3, [1.0] * 3, [2.0] * 3]
     assert {notice.name for notice in server.store.unsent()} == {"grown", "shrunk"}
