@@ -9,6 +9,7 @@ the plotting libraries and pandas cannot be imported. Notebooks: tests/test_note
 from __future__ import annotations
 
 import io
+import math
 import re
 import subprocess
 import sys
@@ -21,8 +22,10 @@ import pytest
 
 import thing
 from thing import live, plot_drawing
+from thing.captures import Sender
 from thing.history_stats import capture_stats
 from thing.plot_series import chart, histogram
+from thing.store import HistoryStore
 
 from .conftest import run_script, script_env
 
@@ -371,6 +374,16 @@ HARD_CASES = """
         send(2.0, name, 2)
     assert thing.catch(0, name="done").wait(20)
 """
+
+
+def test_a_sparkline_gives_the_last_value_as_it_is(monkeypatch) -> None:
+    """Without uniplot: a loss that went NaN last was said to be its last finite value."""
+    store = HistoryStore()
+    for step, value in enumerate([0.9, 0.7, 0.5, math.nan], 1):
+        store.add("loss", value, (), 0, Sender("a:1"), call=step)
+    monkeypatch.setattr(plot_drawing, "_has", lambda module: module != "uniplot")
+    drawn = plot_drawing.text(chart(store, "loss"), 100).splitlines()
+    assert "last nan, min 0.5, max 0.9" in drawn[1], drawn
 
 
 def test_hard_cases_are_drawn_truthfully_or_said(server: thing.Server) -> None:

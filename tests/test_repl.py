@@ -545,6 +545,22 @@ def test_describe_a_container_describes_each_array(default: thing.Server, capsys
     assert any("['out'][0]" in line for line in out.splitlines())
 
 
+def test_describe_marks_a_complex_array_in_a_container_as_magnitudes(default: thing.Server,
+                                                                     capsys) -> None:
+    """Its statistics are of |x| (a mean of 5 where the values' mean is 0): said on its row,
+    which keeps its path when the dtype column is left out."""
+    send(default.port, """
+        assert thing.catch({"z": np.array([3 + 4j, -3 - 4j]), "r": np.array([1.0, 2.0])},
+                           name="d").wait(10)
+    """)
+    thing.describe("d")
+    lines = capsys.readouterr().out.splitlines()
+    z = next(line for line in lines if "['z']" in line).split()
+    assert z[:2] == ["['z']", "|x|"] and z[4:8] == ["5", "5", "5", "0"]
+    assert next(line for line in lines if "['r']" in line).split()[:2] == ["['r']", "(2,)"]
+    assert "|x|: of a complex array's magnitudes" in lines
+
+
 def test_describe_by_id_and_of_a_scalar(default: thing.Server, capsys) -> None:
     out = send(default.port, """
         handle = thing.catch(0.5, name="lr")

@@ -147,11 +147,21 @@ def capture_histogram(capture: Capture, bins: int) -> Optional[tuple[np.ndarray,
 
 
 def _power_iteration(matrix: np.ndarray, steps: int = 100) -> float:
+    largest = float(np.max(np.abs(matrix)))
+    if largest == 0.0:
+        return 0.0
+    # Worked out on the matrix scaled (exactly, by a power of two) to entries of at most 1:
+    # products of entries near 1e160 overflow float64, and of entries near 1e-100 vanish.
+    scale = math.frexp(largest)[1]
+    matrix = matrix * 2.0 ** -scale
     vector = np.random.default_rng(0).standard_normal(matrix.shape[1]).astype(matrix.dtype)
     for _ in range(steps):
         vector = matrix.conj().T @ (matrix @ vector)
         vector /= np.linalg.norm(vector) or 1.0
-    return float(np.linalg.norm(matrix @ vector))
+    try:
+        return math.ldexp(float(np.linalg.norm(matrix @ vector)), scale)
+    except OverflowError:  # a norm beyond float64 (a large matrix of 1e308s)
+        return math.inf
 
 
 class StatsWorker:

@@ -328,8 +328,10 @@ def _sparklines(drawing: Drawing, width: int) -> str:
             finite = series.values[np.isfinite(series.values)]
             label = series.label if panel.stat == "value" else \
                 f"{series.label} {'mean' if panel.stat == 'spread' else panel.title}"
-            span = (f"last {number(float(finite[-1]))}, min {number(float(finite.min()))}, "
-                    f"max {number(float(finite.max()))}") if finite.size else "no finite values"
+            # The last value as it is (a NaN too); min and max of the finite ones.
+            span = f"last {number(float(series.values[-1]))}, " + (
+                f"min {number(float(finite.min()))}, max {number(float(finite.max()))}"
+                if finite.size else "no finite values")
             lines.append(elide(f"{elide(label, 24, 'middle')}  "
                                f"{sparkline(series.values, max(width - 60, 8))}  {span}", width))
     return "\n".join([*lines, *(elide(note, width) for note in drawing.notes)])

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .array_stats import ArrayStats, array_stats
+from .array_stats import ArrayStats, array_stats, as_float64
 from .arrays import is_array, sparse_parts
 from .captures import Capture, Sender
 from .display import Column, Entries, Fields, Report, Table
@@ -213,7 +213,7 @@ def capture_report(capture: Capture, store: HistoryStore | None = None) -> Repor
                   "yes: the value at the catch() call" if capture.consistent else
                   "NO: it changed after catch() before its send ended, so it holds a later "
                   "value or a mix of two (catch(..., copy=True) avoids it)"))
-    scalar = exact_text(value)
+    scalar = exact_text(_readable(capture))
     table = None
     if scalar is not None:
         pairs.append(("value", scalar))
@@ -287,8 +287,10 @@ def _leaf_table(capture: Capture) -> Table:
             None if stats is None else (stats.min, stats.max, stats.mean, stats.std, stats.norm)
         ) or (None,) * 5]
         counts = ["", ""] if stats is None else [str(stats.nan), str(stats.inf)]
-        rows.append([path, shape, "-" if spec.framework == "bytes" else spec.dtype,
-                     *numbers, *counts])
+        dtype = "-" if spec.framework == "bytes" else spec.dtype
+        if stats is not None and stats.magnitude:  # the dtype column may be dropped
+            path += " |x|"
+        rows.append([path, shape, dtype, *numbers, *counts])
     # NaN and Inf columns of zeros say nothing; one that says something always stays.
     unused = {header for i, header in enumerate(headers)
               if header in ("NaN", "Inf") and all(row[i] in ("0", "") for row in rows)}
@@ -296,6 +298,8 @@ def _leaf_table(capture: Capture) -> Table:
     columns = [Column(headers[i], 10, "middle") if headers[i] == "path" else Column(headers[i])
                for i in keep]
     notes = ["statistics over finite values; std with ddof=0"]
+    if any(row[0].endswith(" |x|") for row in rows):
+        notes.append("|x|: of a complex array's magnitudes")
     if unused:
         notes[0] += f"; no {' or '.join(sorted(unused))} values"
     return Table("arrays", columns, [[row[i] for i in keep] for row in rows], notes,
@@ -421,7 +425,7 @@ def row_kind(capture: Capture) -> tuple[str, str, str, str]:
     """``kind(capture)`` and its scalar text, for a table row: a value that cannot be
     built (a peer's sparse tensor torch refuses) shows why instead of failing the table."""
     try:
-        return (*kind(capture), scalar_text(capture.value) or "")
+        return (*kind(capture), scalar_text(_readable(capture)) or "")
     except ProtocolError as exc:
         return "-", "-", "-", f"cannot be built: {exc}"
 
@@ -449,6 +453,18 @@ def _single(value: Any) -> Any:
         except (TypeError, ValueError, RuntimeError):
             return _NOT_SINGLE
     return _NOT_SINGLE
+
+
+def _readable(capture: Capture) -> Any:
+    """The capture's value, a single bfloat16 or float8 number read from its raw bits where
+    neither torch nor ml_dtypes is here to give it its dtype (it arrives as those bits)."""
+    value = capture.value
+    if (len(capture.leaves) == 1 and isinstance(value, (np.ndarray, np.generic))
+            and value.ndim == 0 and value.dtype.name != capture.leaves[0].dtype):
+        numbers = as_float64(np.asarray(value), capture.leaves[0])
+        if numbers is not None:
+            return numbers.item()
+    return value
 
 
 def scalar_text(value: Any) -> str | None:
