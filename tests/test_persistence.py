@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +32,7 @@ from thing.recording import segment_path, segments_of
 from thing.segments import write_unflushed
 from thing.store import HistoryStore
 
-from .conftest import run_script
+from .conftest import run_script, script_env
 
 # Sent by a client process: every dtype, 0-d and empty arrays, containers, frameworks.
 SENDER_CODE = """
@@ -640,3 +644,120 @@ def test_a_recording_directory_and_the_repl_functions(tmp_path: Path) -> None:
     assert out.splitlines()[:2] == ["2", "[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]"]
     assert "x.py:1" in out and "{'k': [1, np.int16(3)]}" in out
     assert HistoryStore().load(tmp_path / "again") == 1
+
+
+def test_a_bfloat16_or_float8_number_reads_as_itself_without_torch_or_ml_dtypes(
+        tmp_path: Path) -> None:
+    """Kept as its raw bits where neither is installed (``thing open`` on a laptop), it was
+    shown as those bits (1.5 as 16320) by summary(), status() and describe()."""
+    import torch
+
+    store = HistoryStore()
+    store.add("loss", torch.tensor(1.5, dtype=torch.bfloat16), (), 2, Sender("a:1"))
+    store.add("f8", torch.tensor(-2.0, dtype=torch.float8_e4m3fn), (), 1, Sender("a:1"))
+    store.save(tmp_path / "rec")
+    out = run_script(f"""
+        import sys
+        sys.modules["torch"] = sys.modules["ml_dtypes"] = None
+        import thing
+        thing.load({str(tmp_path / "rec")!r})
+        print(thing.get("loss").dtype, thing.get("f8").dtype)
+        thing.summary()
+        thing.describe("loss")
+        thing.describe("f8")
+    """, COLUMNS="100")
+    lines = out.splitlines()
+    assert lines[0] == "uint16 uint8"  # as the bits, which the reports read
+    assert next(line for line in lines if line.startswith("loss ")).split()[1:5] == [
+        "()", "bfloat16", "torch", "1.5"]
+    assert next(line for line in lines if line.startswith("f8 ")).split()[4] == "-2"
+    assert [line.split()[1] for line in lines if line.startswith("value ")] == ["1.5", "-2.0"]
+
+
+def _three_segments(tmp_path: Path, monkeypatch) -> Path:
+    monkeypatch.setattr("thing.recording.SAVE_SEGMENT_BYTES", 0)  # one segment a capture
+    store = HistoryStore()
+    for step in range(3):
+        store.add("loss", 0.5 + step, (), 0, Sender("a:1"), call=step + 1)
+    path = tmp_path / "three"
+    store.save(path)
+    assert len(segments_of(path)) == 3
+    return path
+
+
+def test_a_damaged_segment_refuses_the_recording_unless_asked_to_skip_it(
+        tmp_path: Path, monkeypatch, caplog) -> None:
+    """Refused whole, the message says how to load the rest; with skip_damaged=True (``thing
+    open --skip-damaged``) the others load and the one left out is logged."""
+    path = _three_segments(tmp_path, monkeypatch)
+    damaged = segment_path(path, 2)
+    damaged.write_bytes(damaged.read_bytes()[:-3])
+    _refused(path, r"segment-000002.*nothing was loaded; load\(..., skip_damaged=True\) "
+                   r"\(thing open --skip-damaged\) loads the other 2 segments without it")
+    store = HistoryStore()
+    with caplog.at_level("WARNING", logger="thing"):
+        assert store.load(path, skip_damaged=True) == 2
+    assert [capture.value for capture in store.get_all("loss")] == [0.5, 2.5]
+    [warning] = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert "segment-000002" in warning
+    out = run_script(f"""
+        import subprocess, sys
+        for flags in ([], ["--skip-damaged"]):
+            opened = subprocess.run([sys.executable, "-m", "thing", "open", *flags, "--plain",
+                                     {str(path)!r}], input="print(thing.get_all('loss'))",
+                                    capture_output=True, text=True, timeout=60)
+            print(opened.returncode, "[0.5, 2.5]" in opened.stdout)
+    """)
+    assert out.splitlines() == ["1 False", "0 True"]
+
+
+def test_a_changed_number_in_a_record_is_refused_by_its_checksum(tmp_path: Path) -> None:
+    """A value carried in the records (a loss, a step, a name) changed by one digit loaded
+    as the other value; the records carry a CRC now (array bytes do not: docs/FORMAT.md)."""
+    store = HistoryStore()
+    store.add("loss", 1.25, (), 0, Sender("a:1"))
+    store.save(tmp_path / "rec")
+    segment = segment_path(tmp_path / "rec", 1)
+    whole = segment.read_bytes()
+    at = whole.index(b"1.25")
+    segment.write_bytes(whole[:at] + b"7" + whole[at + 1:])
+    _refused(tmp_path / "rec", "do not match their checksum")
+    # One written without a checksum (by an earlier thing) is read unchecked.
+    segment.write_bytes(whole)
+    _rewrite_header(segment, lambda header: header["__metadata__"].pop("checksum"))
+    loaded = HistoryStore()
+    assert loaded.load(tmp_path / "rec") == 1 and loaded.get("loss").value == 1.25
+
+
+def test_a_save_killed_midway_is_said_to_be_cut_short(tmp_path: Path, caplog) -> None:
+    """Into an existing directory, segments appear one by one: a save killed between them
+    left what loaded as a whole history."""
+    directory = tmp_path / "mount"
+    directory.mkdir()
+    code = textwrap.dedent(f"""
+        import os, signal, numpy as np, thing.recording as recording
+        from thing.captures import Sender
+        from thing.store import HistoryStore
+        store = HistoryStore()
+        for step in range(4):
+            store.add("x", np.full(8, step), (), 64, Sender("a:1"))
+        recording.SAVE_SEGMENT_BYTES = 0
+        write = recording.write_segment
+        def killed_at_the_third(path, captures):
+            if path.name == "segment-000003.safetensors":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write(path, captures)
+        recording.write_segment = killed_at_the_third
+        store.save({str(directory)!r})
+    """)
+    killed = subprocess.run([sys.executable, "-c", code], env=script_env(), timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    store = HistoryStore()
+    with caplog.at_level("WARNING", logger="thing"):
+        assert store.load(directory) == 2
+    assert any("holds a save() that did not end" in r.getMessage() for r in caplog.records)
+    whole = tmp_path / "whole"  # one that ended says nothing
+    whole.mkdir()
+    caplog.clear()
+    store.save(whole)
+    assert HistoryStore().load(whole) == 2 and not caplog.records

@@ -25,7 +25,8 @@ import thing
 from thing.captures import Sender
 from thing.errors import ThingError
 from thing.recorder import DISK_FULL, FALLING_BEHIND, Recorder
-from thing.recording import SEGMENT_NAME, segments_of
+from thing.recording import SEGMENT_NAME, segment_path, segments_of
+from thing.segments import write_segment, write_unflushed
 from thing.store import HistoryStore
 
 from .conftest import ROOT, free_port, poll, run_script, script_env, start_script
@@ -142,6 +143,34 @@ def test_what_a_crashed_writer_left_is_deleted_by_the_next(tmp_path: Path) -> No
     loaded = HistoryStore()
     loaded.load(directory)
     assert loaded.get("x").value.tolist() == list(range(4))
+
+
+def test_whole_segments_a_killed_writer_left_staged_join_the_recording(tmp_path: Path,
+                                                                       caplog) -> None:
+    """Written but not yet named when the writer was killed, a segment is whole (a killed
+    process's writes all reach the file): the next recorder names it, and says so, where
+    it deleted it without a word. One cut short, or whose number is taken, is deleted."""
+    directory = tmp_path / "rec"
+    directory.mkdir()
+    store = HistoryStore()
+    for step in range(3):
+        store.add("x", np.full(4, step), (), 32, Sender("a:1"), call=step + 1)
+    first, second, third = store.get_all("x")
+    write_segment(segment_path(directory, 1), [first])
+    for number, capture in ((1, second), (2, second), (3, third)):
+        temporary, _ = write_unflushed(segment_path(directory, number), [capture])
+        if number == 3:
+            temporary.write_bytes(temporary.read_bytes()[:-5])  # cut short
+    with caplog.at_level("WARNING", logger="thing"), Recorder(store, directory):
+        assert not list((directory / ".thing-staging").iterdir())
+        store.add("x", np.full(4, 9), (), 32, Sender("a:1"), call=4)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("1 whole segments (1 captures)" in message for message in messages)
+    assert any("deleted 2 files" in message for message in messages)
+    assert [number for number, _ in segments_of(directory)] == [1, 2, 3]
+    loaded = HistoryStore()
+    assert loaded.load(directory) == 3
+    assert [c.value.tolist()[0] for c in loaded.get_all("x")] == [0, 1, 9]
 
 
 def test_a_staging_folder_that_is_a_link_is_refused_and_its_target_untouched(
@@ -319,6 +348,12 @@ def test_one_writer_per_directory(tmp_path: Path) -> None:
         with pytest.raises(ThingError, match=r"a recorder \(or a save\) is writing to"):
             store.save(tmp_path / "rec")
         store.add("recorded", 2.0, (), 0, Sender("a:1"))
+        # `thing record` into it says why not before any server starts (nor says it did).
+        refused = subprocess.run([sys.executable, "-m", "thing", "record", str(tmp_path / "rec"),
+                                  "--port", "0"], env=script_env(), capture_output=True,
+                                 text=True, timeout=60)
+        assert refused.returncode == 1 and "is writing to" in refused.stderr
+        assert "Server started" not in refused.stderr + refused.stdout
     assert recorder.written >= 1
     loaded = HistoryStore()
     loaded.load(tmp_path / "rec")

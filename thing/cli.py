@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     open_.add_argument("directory", metavar="DIR")
     open_.add_argument("--plain", action="store_true",
                        help="use Python's own REPL even if IPython is installed")
+    open_.add_argument("--skip-damaged", action="store_true",
+                       help="load the segments that are whole when some are damaged (each "
+                            "one left out is said)")
     demo = commands.add_parser(
         "demo", help="train a small model in another process and show what it sent",
         description="Start a server, train a small model in a separate process that catches "
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "record":
         return record_headless(args.directory, args.port, args.host, _recorder_options(args))
     if args.command == "open":
-        return open_interactively(args.directory, plain=args.plain)
+        return open_interactively(args.directory, plain=args.plain,
+                                  skip_damaged=args.skip_damaged)
     if args.command == "demo":
         return run_demo(args.steps, use_torch=False if args.numpy else None, record=args.record)
     parser.print_help()
@@ -127,14 +131,16 @@ def serve_interactively(port: int | None = None, host: str | None = None, *,
         server.close()
 
 
-def open_interactively(directory: str, *, plain: bool = False) -> int:
-    """Load a recording, then an interactive session on it (no server) until the user leaves."""
+def open_interactively(directory: str, *, plain: bool = False, skip_damaged: bool = False
+                       ) -> int:
+    """Load a recording, then an interactive session on it (no server) until the user leaves
+    (``skip_damaged``: see ``thing.load``)."""
     import thing
 
     from .errors import ThingError
 
     try:
-        count = thing.load(directory)
+        count = thing.load(directory, skip_damaged=skip_damaged)
     except (ThingError, OSError) as exc:
         print(f"thing: {exc}", file=sys.stderr)
         return 1
@@ -176,16 +182,17 @@ def record_headless(directory: str, port: int | None = None, host: str | None = 
     # Only what is being written is needed in memory: the newest capture of each name stays
     # (as in any server) so that a capture is never refused for want of room.
     server = Server(port, host, store=HistoryStore(max_versions=1))
-    try:
-        server.start()
-    except OSError as exc:
-        print(f"thing: {_bind_failure(exc, server.host, server.port)}", file=sys.stderr)
-        return 1
+    # The directory first: one that cannot be recorded into is said before any server starts.
     try:
         recorder = server.record(directory, on_segment=_print_segment, **(options or {}))
     except (ThingError, OSError) as exc:
-        server.close()
         print(f"thing: {exc}", file=sys.stderr)
+        return 1
+    try:
+        server.start()
+    except OSError as exc:
+        server.close()  # lets the directory go
+        print(f"thing: {_bind_failure(exc, server.host, server.port)}", file=sys.stderr)
         return 1
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

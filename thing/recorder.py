@@ -38,10 +38,11 @@ from .recording import (
     MAX_SEGMENT_NUMBER,
     PathLike,
     lock_for_writing,
+    recover_staged,
     segment_path,
     segments_of,
 )
-from .segments import clear_staging, commit, write_segment, write_unflushed
+from .segments import commit, write_segment, write_unflushed
 from .store import HistoryStore
 
 DISK_FULL = "disk full"
@@ -138,7 +139,7 @@ class Recorder:
         self.directory.mkdir(parents=True, exist_ok=True)
         lock = lock_for_writing(self.directory)
         try:
-            clear_staging(self.directory)  # a crashed writer's half-written segment
+            recover_staged(self.directory)  # what a crashed writer left
         except OSError:
             os.close(lock)
             raise

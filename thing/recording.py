@@ -24,7 +24,16 @@ from typing import Union
 from .captures import Capture, Sender
 from .errors import BadRecording, ThingError
 from .log import log
-from .segments import STAGING, KnownHeaders, Segment, read_segment, write_segment
+from .segments import (
+    STAGING,
+    KnownHeaders,
+    Segment,
+    clear_staging,
+    flush_to_disk,
+    read_segment,
+    staging_directory,
+    write_segment,
+)
 from .store import ALL_RUNS, HistoryStore
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -32,6 +41,8 @@ SEGMENT_NAME = re.compile(r"segment-(\d{6,18})\.safetensors")
 MAX_SEGMENT_NUMBER = 10**18  # the first that SEGMENT_NAME does not match
 SAVE_SEGMENT_BYTES = 1 << 30  # save() starts a new file after this many bytes of arrays
 WRITER_LOCK = ".thing-recorder.lock"  # see lock_for_writing
+# There while a save into an existing directory writes: one it still holds was cut short.
+SAVING = ".thing-saving"
 MAX_DROPPED_REASONS = 16  # distinct reasons for dropped captures kept from one recording
 
 
@@ -49,6 +60,33 @@ def segments_of(directory: Path) -> list[tuple[int, Path]]:
             if match is not None:
                 found.append((int(match.group(1)), Path(entry.path)))
     return sorted(found)
+
+
+def recover_staged(directory: Path) -> None:
+    """Move into place the whole segments a stopped writer left staged (written, not yet
+    named: a killed process's writes are all there, unless the machine went down too), and
+    delete the rest. The caller holds the directory's writer lock."""
+    staging = staging_directory(directory)
+    taken = {number for number, _ in segments_of(directory)}
+    moved = captures = 0
+    for number, staged in segments_of(staging):
+        if number in taken:
+            continue
+        try:
+            captures += len(read_segment(staged).captures)
+        except (BadRecording, OSError):
+            continue  # cut short: deleted below
+        flush_to_disk(staged)
+        os.rename(staged, segment_path(directory, number))
+        moved += 1
+    if moved:
+        flush_to_disk(directory)
+        log.warning("%s: %d whole segments (%d captures) that a stopped writer left in %s "
+                    "are in the recording now", directory, moved, captures, STAGING)
+    removed = clear_staging(directory)
+    if removed:
+        log.warning("%s: deleted %d files that a stopped writer left half written in %s",
+                    directory, removed, STAGING)
 
 
 def lock_for_writing(directory: Path) -> int:
@@ -116,7 +154,14 @@ def _save_into(captures: list[Capture], directory: Path) -> None:
         if any(entry.name not in (WRITER_LOCK, "lost+found") for entry in directory.iterdir()):
             raise ThingError(f"{directory} exists and is not an empty directory; save to a "
                              "new one")
+        # Segments appear one by one: until the last, a reader is told the save is not whole
+        # (it stays so if this process is killed meanwhile).
+        os.close(os.open(directory / SAVING, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                         | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        written.append(directory / SAVING)
         _write(captures, directory, written)
+        (directory / SAVING).unlink()
+        flush_to_disk(directory)
     except BaseException:
         for path in written:
             path.unlink(missing_ok=True)
@@ -157,28 +202,44 @@ def _write(captures: list[Capture], directory: Path, written: list[Path] | None 
             written.append(path)
 
 
-def load(path: PathLike, store: HistoryStore) -> int:
+def load(path: PathLike, store: HistoryStore, skip_damaged: bool = False) -> int:
     """Read a recording into ``store``; return how many captures were added.
 
     Every segment is read and checked before anything is added: a bad file is
-    refused with :class:`~thing.errors.BadRecording` and nothing is loaded.
-    Segments are read newest first, and once their captures' records fill the
-    store's cap the older ones are checked but not kept (the store would evict
-    them at once). A segment a live recorder deletes meanwhile (its byte
-    budget) is skipped.
+    refused with :class:`~thing.errors.BadRecording` and nothing is loaded,
+    unless ``skip_damaged``: then the other segments load, and each one left
+    out is logged. Segments are read newest first, and once their captures'
+    records fill the store's cap the older ones are checked but not kept (the
+    store would evict them at once). A segment a live recorder deletes
+    meanwhile (its byte budget) is skipped. A save cut short is loaded as far
+    as it was written, with a warning.
     """
     directory = Path(path)
     if not directory.is_dir():
         raise BadRecording(f"{directory} is not a directory (a recording is one)")
+    if os.path.lexists(directory / SAVING):
+        log.warning("%s holds a save() that did not end (its process was killed, or it is "
+                    "still saving): what it had written loads, the rest was not saved",
+                    directory)
     kept: list[Segment] = []
     held = left_out = 0
     dropped: dict[str, int] = {}
+    damaged: list[str] = []
     known_headers = KnownHeaders()
-    for _, segment_file in reversed(segments_of(directory)):
+    segments = segments_of(directory)
+    for _, segment_file in reversed(segments):
         try:
             segment = read_segment(segment_file, known_headers)
         except FileNotFoundError:
             log.info("%s was removed while it was being loaded; skipped", segment_file)
+            continue
+        except BadRecording as exc:
+            if not skip_damaged:
+                others = (f"; load(..., skip_damaged=True) (thing open --skip-damaged) loads "
+                          f"the other {len(segments) - 1} segments without it"
+                          if len(segments) > 1 else "")
+                raise BadRecording(f"{exc} (nothing was loaded{others})") from None
+            damaged.append(str(exc))
             continue
         # Each says what its recorder dropped since the segment before it. A recorder
         # has a handful of reasons; a file may claim any number.
@@ -204,4 +265,7 @@ def load(path: PathLike, store: HistoryStore) -> int:
         log.warning("loaded the newest %d captures of %s; %d older ones do not fit the "
                     "history's cap (HistoryStore(max_bytes=...), THING_STORE_BYTES)",
                     added, directory, left_out)
+    for reason in damaged:
+        log.warning("left out a damaged segment (skip_damaged=True), none of its captures "
+                    "loaded: %s", reason)
     return added

@@ -136,7 +136,7 @@ def save(path: str | os.PathLike[str], names: str | Iterable[str] | None = None)
 
 
 @_short_traceback
-def load(path: str | os.PathLike[str]) -> int:
+def load(path: str | os.PathLike[str], *, skip_damaged: bool = False) -> int:
     """Bring back a recording (``thing.save``, ``thing record``) into this session's history.
 
     Captures keep their names, order, ranks, senders, call sites, times and
@@ -144,7 +144,9 @@ def load(path: str | os.PathLike[str]) -> int:
     they are placed in order of arrival among those already here. The files
     are memory-mapped: loading is quick, and an array takes memory only once
     looked at. Works without a server (``thing.serve()`` later receives into
-    the same history). A damaged or foreign file is refused, nothing loaded.
+    the same history). A damaged or foreign file is refused, nothing loaded;
+    ``skip_damaged=True`` loads the other files and logs each one left out.
+    A save that was cut short loads as far as it was written, with a warning.
     Returns how many captures were loaded: one that is here already (the
     same recording loaded twice) is not added again.
     """
@@ -153,11 +155,11 @@ def load(path: str | os.PathLike[str]) -> int:
         raise ArgumentTypeError(f"a recording is loaded from its directory's path, not {path!r}")
     _show_log_lines()  # get() warns of a capture that changed while it was sent
     if _server is not None and _server.running:
-        return _server.store.load(path)
+        return _server.store.load(path, skip_damaged=skip_damaged)
     store = _history()
     if store is None:
         store = HistoryStore()
-    count = store.load(path)
+    count = store.load(path, skip_damaged=skip_damaged)
     _loaded = store
     return count
 
@@ -251,7 +253,8 @@ def hist(name_or_id: str | int, index: int = 0, rank: int | None = None, *,
 
 @_short_traceback
 def runs() -> list[Run]:
-    """The runs that sent the kept captures, oldest first: id, start, end, captures, ranks.
+    """The runs that sent the kept captures, oldest first: id, start, end, captures, ranks,
+    names.
 
     A run is a training job: a script names its run at ``import thing`` and
     the processes it forks or spawns join it (``THING_RUN=name`` names it

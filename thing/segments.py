@@ -27,6 +27,7 @@ import re
 import stat
 import struct
 import sys
+import zlib
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -142,6 +143,7 @@ def write_unflushed(path: Path, captures: Sequence[Capture],
     metadata = {"format": FORMAT, "version": str(FORMAT_VERSION),
                 "captures": "[" + ",".join(records) + "]",
                 "dropped": json.dumps(dropped or {})}
+    metadata["checksum"] = _checksum(metadata)
     temporary = staging_directory(path.parent) / path.name
     try:
         serialize_file(tensors, str(temporary), metadata=metadata)
@@ -168,12 +170,15 @@ def staging_directory(directory: Path) -> Path:
     return staging
 
 
-def clear_staging(directory: Path) -> None:
+def clear_staging(directory: Path) -> int:
     """Delete what a crashed writer left in ``directory``'s staging folder (the caller holds
-    the directory's writer lock: no live writer's files are there)."""
+    the directory's writer lock: no live writer's files are there); return how many files."""
+    removed = 0
     for entry in list(os.scandir(staging_directory(directory))):
         if not entry.is_dir(follow_symlinks=False):
             _remove_quietly(Path(entry.path))
+            removed += 1
+    return removed
 
 
 def _record_of(capture: Capture, parts: wire.ReceivedValue) -> str:
@@ -201,13 +206,13 @@ def commit(temporary: Path, path: Path) -> int:
     """Flush a segment written by :func:`write_unflushed` and give it its name; return its
     size. Raises ``OSError`` (the temporary file removed) if flushing fails."""
     try:
-        _flush(temporary)
+        flush_to_disk(temporary)
         os.replace(temporary, path)
     except BaseException:
         _remove_quietly(temporary)
         raise
     try:
-        _flush(path.parent)
+        flush_to_disk(path.parent)
     except OSError as exc:  # the file is whole and named; only its name may not last a crash
         log.warning("could not flush the directory of %s: %s", path, exc)
     return os.stat(path).st_size
@@ -222,7 +227,8 @@ def _safetensors_writer() -> tuple[Any, Any]:
     return serialize_file, TensorSpec
 
 
-def _flush(path: Path) -> None:
+def flush_to_disk(path: Path) -> None:
+    """fsync a file or directory (a directory: the names in it)."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
@@ -400,6 +406,9 @@ def _thing_metadata(metadata: Any, path: Path) -> tuple[list[Any], dict[str, int
                            f"version {FORMAT_VERSION}")
     records = _json_field(metadata, "captures", path)
     dropped = _json_field(metadata, "dropped", path)
+    if "checksum" in metadata and metadata["checksum"] != _checksum(metadata):
+        raise BadRecording(f"{path}: its captures' records do not match their checksum: the "
+                           "file was damaged")
     if not isinstance(records, list):
         raise BadRecording(f"{path}: its captures are not a list")
     if not (isinstance(dropped, dict) and all(
@@ -407,6 +416,16 @@ def _thing_metadata(metadata: Any, path: Path) -> tuple[list[Any], dict[str, int
             for reason, count in dropped.items())):
         raise BadRecording(f"{path}: its count of dropped captures is malformed")
     return records, {wire.printable(reason[:200]): count for reason, count in dropped.items()}
+
+
+def _checksum(metadata: dict[str, Any]) -> str:
+    """CRC-32 of a segment's records and dropped counts (its numbers, names and strings: a
+    flipped bit there would load as another value). Array bytes have none, as in
+    safetensors: checking them would read every array at load."""
+    checksum = 0
+    for key in ("captures", "dropped"):
+        checksum = zlib.crc32(metadata[key].encode("utf-8", "surrogatepass"), checksum)
+    return f"crc32:{checksum:08x}"
 
 
 def _json_field(metadata: dict[str, Any], key: str, path: Path) -> Any:

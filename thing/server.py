@@ -350,9 +350,9 @@ class Server:
         """Write the kept history (or that of ``names``) to a new directory (see ``thing.save``)."""
         return self.store.save(path, names)
 
-    def load(self, path: str | os.PathLike[str]) -> int:
+    def load(self, path: str | os.PathLike[str], *, skip_damaged: bool = False) -> int:
         """Add the captures of a recording to this server's history (see ``thing.load``)."""
-        return self.store.load(path)
+        return self.store.load(path, skip_damaged=skip_damaged)
 
     def record(self, path: str | os.PathLike[str], **options: Any) -> Recorder:
         """Also append every capture from now on to the recording at ``path``; returns the

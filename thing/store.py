@@ -729,12 +729,13 @@ class HistoryStore:
 
         return recording.save(self, path, names)
 
-    def load(self, path: str | os.PathLike[str]) -> int:
+    def load(self, path: str | os.PathLike[str], *, skip_damaged: bool = False) -> int:
         """Add the captures of the recording at ``path``, in order of arrival among those
-        here; return how many. A damaged or foreign file is refused, and nothing loaded."""
+        here; return how many. A damaged or foreign file is refused, and nothing loaded
+        (``skip_damaged=True``: the other files are, see :func:`thing.recording.load`)."""
         from . import recording
 
-        return recording.load(path, self)
+        return recording.load(path, self, skip_damaged)
 
     def charge(self, capture: Capture) -> int:
         """The bytes ``capture`` is counted as holding: its arrays and everything else it
