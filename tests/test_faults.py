@@ -371,6 +371,24 @@ def test_frame_over_the_capture_limit_is_dropped_before_allocation() -> None:
             client.close()
 
 
+def test_a_capture_over_the_capture_limit_is_listed_in_the_repl_by_its_name() -> None:
+    """Refused for its size before its payload is read, it is still named where the user
+    looks (summary, get, describe), with the reason its handle gives."""
+    with thing.Server(port=0, limits=wire.Limits(max_capture_bytes=1 << 20)) as server:
+        client = thing.Client("127.0.0.1", server.port)
+        try:
+            big = client.catch({"w": np.zeros(2 << 20, np.uint8)}, name="too_big")
+            assert big.wait(10) is False and "exceeds 1048576" in big.error
+            assert client.catch(1.0, name="after").wait(10)
+            [notice] = server.store.unsent("too_big")
+            assert notice.refused and big.error == f"refused by the server: {notice.reason}"
+            assert notice.type_name == "dict"
+            with pytest.raises(thing.UnknownName, match=r"server refused it \(capture of 2097"):
+                server.get("too_big")
+        finally:
+            client.close()
+
+
 def test_dropped_connection_resolves_the_handles_in_flight() -> None:
     """The frame is all in the kernel when the server drops the connection: fail it at once."""
     limits = wire.Limits(max_capture_bytes=4096)

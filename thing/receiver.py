@@ -413,9 +413,14 @@ class Connection:
             signature.update(raw_prefix)
         try:
             wire.check_frame_size(header_len, payload_len, settings.limits)
+            too_large = None
         except LimitExceeded as exc:
-            self._discard(header_len, signature)
-            return self._skip(payload_in_stream, signature, seq, None, exc)
+            if header_len > settings.limits.max_header_bytes:
+                self._discard(header_len, signature)
+                return self._skip(payload_in_stream, signature, seq, None, exc)
+            # Its header is read all the same (it is within bounds), so that the REPL lists
+            # the capture refused by its name, not as an unnamed one.
+            too_large = exc
         with _Charge(settings.store, settings.header_budget) as charge:
             if header_len > HEADER_CHUNK:  # held whole before it is parsed: budgeted first
                 try:
@@ -429,17 +434,20 @@ class Connection:
             known = self._headers.get(raw_header)
             try:
                 if known is None:
-                    known = self._validate_header(raw_header, payload_len, charge)
+                    known = self._validate_header(raw_header, payload_len, charge,
+                                                  too_large is not None)
                 else:
                     wire.check_payload_length(known.header, payload_len)
                 del raw_header
+                if too_large is not None:
+                    raise too_large
                 charge.reserve(payload_len)
             except ProtocolError as exc:
                 # A header refused for what it says (a name that is no str, dict keys that
                 # collide, a limit): read whole, so the stream is still in step, and the
                 # frames after it, the sender's other captures, must not pay for it.
                 charge.release_header()  # not held while its payload is discarded
-                return self._skip(payload_in_stream, signature, seq, known, exc)
+                return self._skip(payload_in_stream, signature, seq, known, too_large or exc)
             try:
                 capture = self._receive_payload(prefix, known, fds, signature, charge)
             except LimitExceeded as exc:  # the whole frame was read: still in step
@@ -451,18 +459,25 @@ class Connection:
         settings.counts.add(received=1)
         return wire.encode_ack(seq, capture.id)
 
-    def _validate_header(self, raw: bytes, payload_len: int, charge: _Charge) -> KnownHeader:
+    def _validate_header(self, raw: bytes, payload_len: int, charge: _Charge,
+                         refused: bool = False) -> KnownHeader:
         """Parse and check a header not seen before; keep it if it is short and there is room.
+
+        The header of a frame ``refused`` for its size already is checked as if its size
+        were allowed: only for its name and type (its payload is read past), and another
+        frame under that header is checked for its size before it is looked up.
 
         While the frame lasts, its header (the bytes, and what parsing them makes) is
         held against a budget all connections share: bounded, but never at the price
         of the history. A kept header stays charged to that budget (only to its spare
         half, so keeping never starves frames under way) until the connection ends.
         """
-        cost = wire.header_cost(raw, self.settings.limits)
+        limits = self.settings.limits
+        if refused:
+            limits = dataclasses.replace(limits, max_capture_bytes=len(raw) + payload_len)
+        cost = wire.header_cost(raw, limits)
         charge.hold_header(cost)
-        header = KnownHeader.of(wire.decode_header(raw, payload_len, self.settings.limits),
-                                 self.sender)
+        header = KnownHeader.of(wire.decode_header(raw, payload_len, limits), self.sender)
         if (len(raw) <= CACHED_HEADER_MAX and self._headers_cost + cost <= HEADER_CACHE_BYTES
                 and self.settings.header_budget.take_spare(cost)):
             self._headers[raw] = header
