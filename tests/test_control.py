@@ -29,6 +29,7 @@ from thing import answers, auth, live, reports, wire
 from thing.answers import read_server_message
 from thing.channel import PAUSED
 from thing.errors import ProtocolError
+from thing.handles import SKIPPED
 from thing.overrides import Overrides
 from thing.sockets import connect
 from thing.stream import StreamReader
@@ -570,7 +571,7 @@ def test_a_setting_for_a_rank_applies_once_the_job_learns_its_rank(server: thing
         print(json.dumps([before, after]))
     """
     before, after = json.loads(run_script(script, server.port, RANK="", WORLD_SIZE=""))
-    assert before and after == ["skipped by every=/first="] * 3
+    assert before and after == [SKIPPED.error] * 3
     assert [capture.rank for capture in server.store.get_all("loss")] == [None]
 
 
@@ -591,7 +592,7 @@ def test_only_the_calls_sent_to_the_default_server_are_steered(server: thing.Ser
             print(json.dumps([paused, sent]))
         """
         paused, sent = json.loads(run_script(script, server.port))
-        assert paused == "skipped by every=/first=" and sent == [True] * 3
+        assert paused == SKIPPED.error and sent == [True] * 3
         assert calls_of(server, "loss") == []
         assert [capture.value for capture in other.store.get_all("loss")] == [0, 1, 2]
         assert other.available() == [] and server.available() == []

@@ -133,6 +133,16 @@ def test_a_tensor_resized_after_the_call_is_reported_and_the_stream_stays_in_ste
         handle = thing.catch(shrunk, name="shrunk", copy=False)
         shrunk.resize_(16)
         assert not handle.wait(10) and "changed size after catch()" in handle.error, handle.error
+        # Given smaller memory of its own: its shape changed, not its memory freed (FSDP).
+        for replace in ("set_", "data"):
+            replaced = torch.ones(256)
+            handle = thing.catch(replaced, name=replace, copy=False)
+            if replace == "set_":
+                replaced.set_(torch.ones(5))
+            else:
+                replaced.data = torch.ones(7)
+            assert not handle.wait(10) and "changed size after catch()" in handle.error, (
+                handle.error)
         for step in range(3):
             assert thing.catch(torch.full((3,), float(step)), name="later").wait(10)
         """,
@@ -141,7 +151,8 @@ def test_a_tensor_resized_after_the_call_is_reported_and_the_stream_stays_in_ste
     assert set(server.store.names()) == {"connected", "later"}
     assert [c.value.tolist() for c in server.store.get_all("later")] == [
         [0.0] * 3, [1.0] * 3, [2.0] * 3]
-    assert {notice.name for notice in server.store.unsent()} == {"grown", "shrunk"}
+    assert {notice.name for notice in server.store.unsent()} == {"grown", "shrunk", "set_",
+                                                                  "data"}
 
 
 def test_a_str_enum_and_a_large_bytearray_arrive_as_they_were_at_the_call(

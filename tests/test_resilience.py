@@ -248,6 +248,25 @@ def test_a_server_that_breaks_the_protocol_at_once_is_not_redialled_in_a_loop(
     assert all(gap >= 0.04 for gap in gaps), gaps
 
 
+def test_a_server_that_takes_the_connection_but_never_answers_is_said_to(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A REPL suspended (Ctrl+Z, a debugger) still takes connections (the kernel does): its
+    captures said "no server is listening", pointing away from the process to look at."""
+    monkeypatch.setenv("THING_TRANSPORT", "tcp")
+    monkeypatch.setenv("THING_CONNECT_TIMEOUT", "0.3")
+    listener = socket.create_server(("127.0.0.1", 0))  # listens; nothing accepts or answers
+    client = thing.Client("127.0.0.1", listener.getsockname()[1])
+    try:
+        first = client.catch(1.0, name="x")
+        assert first.wait(10) is False
+        assert "took the connection but did not answer within 0.3 s" in first.error
+        later = client.catch(2.0, name="x")
+        assert later.wait(0) is False and later.error == first.error
+    finally:
+        client.close()
+        listener.close()
+
+
 # -- what was dropped is counted, and shown -------------------------------------------------------
 
 

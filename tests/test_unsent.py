@@ -15,6 +15,7 @@ import pytest
 
 import thing
 import thing.reports
+from thing.handles import SKIPPED
 from thing.store import HistoryStore
 
 from .conftest import run_script
@@ -226,7 +227,7 @@ def test_first_counts_what_it_let_through_even_when_no_server_listens() -> None:
         print(client.undelivered)
     """)
     outcomes, counts = out.strip().splitlines()
-    assert outcomes == "[False, False, False] skipped by every=/first="
+    assert outcomes == f"[False, False, False] {SKIPPED.error}"
     assert counts == "{'no server': 2}"
 
 

@@ -407,10 +407,12 @@ def leaf_bytes(leaf: Leaf) -> bytes | np.ndarray:
     if isinstance(source, (np.ndarray, np.generic)):
         pass
     elif framework == "torch":
-        _check_memory(source, leaf.nbytes)  # freed since the call? (read in place)
-        leaf.address = source.data_ptr()
+        # Its shape first: one given other memory since the call (set_, .data =) has another
+        # shape, and is told so, not that its memory is gone.
         if tuple(source.shape) != leaf.spec.shape:
             raise ValueError(_resized(leaf, f"its shape is {tuple(source.shape)} now"))
+        _check_memory(source, leaf.nbytes)  # freed since the call? (read in place)
+        leaf.address = source.data_ptr()
         source = source.detach().resolve_conj().resolve_neg().contiguous()
         if source.device.type != "cpu":
             source = source.cpu()

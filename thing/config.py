@@ -95,7 +95,8 @@ def flush_timeout() -> float:
 
 
 def send_timeout() -> float:
-    """Seconds a stalled send may take before reconnecting (``THING_SEND_TIMEOUT``, 30)."""
+    """Seconds a send may go without progress before reconnecting (``THING_SEND_TIMEOUT``,
+    30): ``SO_SNDTIMEO``, per system call, so a send stalled midway takes up to twice it."""
     return max(_env_float("THING_SEND_TIMEOUT", 30.0), 0.1)  # 0 would be non-blocking
 
 

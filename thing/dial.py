@@ -159,7 +159,7 @@ def _handshake(sock: socket.socket, address: tuple[str, int], token: str | None,
              "replay": control, **({} if server_must_prove else identity)}
     send_buffers(sock, [wire.encode_handshake(hello)])
     deadline = time.monotonic() + config.connect_timeout()  # the handshake's, all of it
-    status, info = wire.recv_handshake(sock, deadline)
+    status, info = _answer(sock, deadline, address)
     mac = None
     if status == wire.HANDSHAKE_CHALLENGE:
         server_nonce = info.get("nonce")
@@ -174,7 +174,7 @@ def _handshake(sock: socket.socket, address: tuple[str, int], token: str | None,
         proof = "" if token is None else auth.client_proof(token, client_nonce, server_nonce)
         answer = {"proof": proof, **(identity if server_must_prove else {})}
         send_buffers(sock, [wire.encode_handshake(answer)])
-        status, info = wire.recv_handshake(sock, deadline)
+        status, info = _answer(sock, deadline, address)
         if token is not None:
             mac = auth.SessionMac(token, client_nonce, server_nonce)
     elif status == wire.HANDSHAKE_OK and server_must_prove:
@@ -191,6 +191,20 @@ def _handshake(sock: socket.socket, address: tuple[str, int], token: str | None,
         raise HandshakeError(f"server refused the connection: {error}")
     set_timeouts(sock, config.send_timeout(), None)
     return mac, info
+
+
+def _answer(sock: socket.socket, deadline: float, address: tuple[str, int]
+            ) -> tuple[int, dict[str, Any]]:
+    """The server's next handshake message. One that took the connection and then said
+    nothing in time is a server that is there but stopped or busy (a REPL suspended with
+    Ctrl+Z, or paused in a debugger): its captures say so, not that none listens."""
+    try:
+        return wire.recv_handshake(sock, deadline)
+    except TimeoutError:
+        raise HandshakeError(
+            f"the server at {address[0]}:{address[1]} took the connection but did not answer "
+            f"within {config.connect_timeout():g} s (THING_CONNECT_TIMEOUT): is its process "
+            "stopped or busy?") from None
 
 
 def _identity() -> dict[str, Any]:

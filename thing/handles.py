@@ -109,7 +109,8 @@ class CaptureHandle:
 
 
 # Handles for calls that never reach a queue; shared so such a call allocates nothing.
-SKIPPED = CaptureHandle(None, "skipped by every=/first=")
+SKIPPED = CaptureHandle(None, "skipped: not due (every=, first=, on_demand=True or the "
+                                "REPL's steering)")
 REENTERED = CaptureHandle(None, "not sent: caught from a signal handler or a finalizer that "
                                 "ran in the middle of thing's own work on this thread")
 NO_SERVER = CaptureHandle(None, "not sent: no server is listening")
