@@ -142,6 +142,29 @@ def test_a_torchrun_launch_with_the_default_rendezvous_id_is_one_run(
     assert run.captures == 8  # three losses and a worker's capture from each rank
 
 
+def test_ranks_torchrun_started_again_after_a_failure_are_a_run_of_their_own(
+        server: thing.Server) -> None:
+    """``--max-restarts``: the new attempt's steps start from 1 again; one run with the
+    failed attempt's had two captures at each step (get(step=5) found only the later)."""
+    for restart in ("0", "1"):
+        run_script(JOB, server.port, BASE=str(100 * int(restart)), RANK="0", WORLD_SIZE="1",
+                   TORCHELASTIC_RUN_ID="launch-9", TORCHELASTIC_RESTART_COUNT=restart)
+    # With the default rendezvous id, both attempts have the same agent: their parent.
+    run_script(f"""
+        import os, subprocess, sys, textwrap
+        for restart in ("0", "1"):
+            subprocess.run([sys.executable, "-c", textwrap.dedent({JOB!r})], check=True,
+                           env=dict(os.environ, RANK="0", WORLD_SIZE="1",
+                                    TORCHELASTIC_RUN_ID="none", MASTER_ADDR="127.0.0.1",
+                                    MASTER_PORT="29501", TORCHELASTIC_RESTART_COUNT=restart))
+    """, server.port, timeout=120)
+    ids = [run.id for run in server.runs()]
+    assert ids[:2] == ["launch-9", "launch-9-restart1"]
+    assert ids[2].startswith("torchrun-127.0.0.1:29501-") and ids[3] == f"{ids[2]}-restart1"
+    assert server.get_all("loss", run="launch-9") == [0.0, 1.0, 2.0]
+    assert server.get("loss", step=2, run="launch-9-restart1") == 101.0
+
+
 def test_forks_of_an_interactive_session_share_its_run(server: thing.Server) -> None:
     run_script("""
         import os, sys

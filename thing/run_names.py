@@ -1,7 +1,8 @@
 """Which training job a process belongs to: its run, named once per job and inherited.
 
 A run is named by, in order: ``THING_RUN`` (the user's name for it), torchrun's
-``TORCHELASTIC_RUN_ID`` (shared by the ranks of one launch), or
+``TORCHELASTIC_RUN_ID`` (shared by the ranks of one launch; each restart of its
+workers a run of its own), or
 ``THING_RUN_ID``, which a job sets in its environment when it names a new run
 (and a rank of a torchrun launch with the default rendezvous id "none" when it
 names its launch after its master's address and its agent, the ranks' parent):
@@ -76,12 +77,17 @@ def _torchrun_launch() -> Optional[str]:
     """The launch torchrun started this rank in: its rendezvous id, or, when that is the
     default "none", its master's address and the agent (the parent) on this node."""
     launch = os.environ.get("TORCHELASTIC_RUN_ID")
+    # Ranks torchrun started again (--max-restarts) after a failure count their steps from
+    # the start again: a run of their own, not a continuation of the failed attempt's.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    attempt = f"-restart{restart}" if restart.isdigit() and int(restart) else ""
     if launch and launch != "none":
-        return launch
+        return f"{launch[:MAX_RUN_NAME - len(attempt)]}{attempt}"
     master = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if launch == "none" and all(master):
         launched = f"{AGENT_RUN}{master[0]}:{master[1]}-"
         # In a process a rank spawned, the rank's name (its parent is no agent).
         inherited = os.environ.get(INHERITED, "")
-        return inherited if inherited.startswith(launched) else f"{launched}{os.getppid()}"
+        return inherited if inherited.startswith(launched) else (
+            f"{launched}{os.getppid()}{attempt}")
     return None
