@@ -10,6 +10,7 @@ older source, left in place).
 
 from __future__ import annotations
 
+import importlib
 import os
 
 # What both cores provide, and this package takes from the one it chose.
@@ -48,8 +49,10 @@ if os.environ.get("THING_PUREPYTHON", "") not in ("", "0"):
     BACKEND = "python"
 else:
     try:
-        from . import _throttles
-        from . import _transport as _movers
+        # By full name: a missing extension then reads "No module named ...", not Python's
+        # "partially initialized module (most likely due to a circular import)".
+        _throttles = importlib.import_module(f"{__name__}._throttles")
+        _movers = importlib.import_module(f"{__name__}._transport")
 
         missing = [name for name in _MOVERS if not hasattr(_movers, name)]
         missing += [name for name in _THROTTLES if not hasattr(_throttles, name)]
