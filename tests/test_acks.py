@@ -75,6 +75,26 @@ def _read_all_acks(peer: socket.socket) -> list[tuple[int, int, int, bytes]]:
     return acks
 
 
+def test_a_small_frame_over_the_limit_is_refused_each_time_it_comes() -> None:
+    """Its header is read for its name: a header so read is never kept, or the run of
+    small frames would store the next frames under it without a look at their size."""
+    limits = wire.Limits(max_capture_bytes=1000)
+    with thing.Server(port=0, limits=limits) as server, connect("127.0.0.1", server.port,
+                                                                10) as peer:
+        peer.sendall(wire.encode_handshake({"hostname": "raw", "pid": 1}))
+        assert wire.recv_handshake(peer)[0] == wire.HANDSHAKE_OK
+        peer.sendall(b"".join(
+            frame_bytes(np.float32([seq]), "small", seq) if seq in (0, 6) else
+            frame_bytes(np.zeros(1200, np.uint8), "big", seq) for seq in range(7)))
+        peer.shutdown(socket.SHUT_WR)
+        acks = _read_all_acks(peer)
+    assert [status for status, *_ in acks] == [wire.ACK_STORED] + [wire.ACK_REJECTED] * 5 + [
+        wire.ACK_STORED]
+    assert server.store.names() == ["small"] and server.store.versions("small") == 2
+    [notice] = server.store.unsent("big")
+    assert notice.refused and "exceeds 1000" in notice.reason
+
+
 def test_a_malformed_frame_closes_only_after_the_acks_of_stored_ones() -> None:
     with thing.Server(port=0) as server, connect("127.0.0.1", server.port, 10) as peer:
         peer.sendall(wire.encode_handshake({"hostname": "raw", "pid": 1}))
@@ -154,9 +174,9 @@ def test_frames_that_came_together_are_stored_together_and_the_odd_ones_each_as_
         assert server.received == 300 - 6 - 6  # notices and refusals are not captures
         notices = server.store.unsent()
         assert [notice.name for notice in notices if not notice.refused] == ["loss"]
-        # The frames over the limit were read past without their headers: no name to give.
+        # The frames over the limit are listed by name: their headers are read, not their data.
         assert [(notice.name, notice.refused) for notice in notices if notice.refused] == [
-            (None, True)]
+            ("loss", True)]
         assert max(runs) > 1 and sum(runs) < server.received  # both ways were taken
 
 

@@ -464,8 +464,9 @@ class Connection:
         """Parse and check a header not seen before; keep it if it is short and there is room.
 
         The header of a frame ``refused`` for its size already is checked as if its size
-        were allowed: only for its name and type (its payload is read past), and another
-        frame under that header is checked for its size before it is looked up.
+        were allowed, only for its name and type (its payload is read past), and never
+        kept: the run of small frames (:meth:`_receive_run`) stores a kept header's frames
+        without a look at their size.
 
         While the frame lasts, its header (the bytes, and what parsing them makes) is
         held against a budget all connections share: bounded, but never at the price
@@ -478,7 +479,8 @@ class Connection:
         cost = wire.header_cost(raw, limits)
         charge.hold_header(cost)
         header = KnownHeader.of(wire.decode_header(raw, payload_len, limits), self.sender)
-        if (len(raw) <= CACHED_HEADER_MAX and self._headers_cost + cost <= HEADER_CACHE_BYTES
+        if (not refused and len(raw) <= CACHED_HEADER_MAX
+                and self._headers_cost + cost <= HEADER_CACHE_BYTES
                 and self.settings.header_budget.take_spare(cost)):
             self._headers[raw] = header
             self._headers_cost += cost
