@@ -51,6 +51,7 @@ from thing.buffers import ReceiveBuffers
 from thing.errors import BadRecording, ProtocolError
 from thing.overrides import Overrides
 from thing.receiver import Deadlines, HeaderBudget, ReceiveCounts, ReceiveSettings
+from thing.segments import records_checksum
 from thing.server import ServerInfo
 from thing.store import HistoryStore
 
@@ -541,6 +542,8 @@ def mutated_segment(raw: bytes, rng: random.Random) -> bytes:
         metadata["dropped"] = json.dumps(rng.choice(
             [{"x": -1}, {"x": 2**62}, [], {"a" * 10_000: 1}, {str(i): 1 for i in range(50)}]))
     metadata["captures"] = json.dumps(records)
+    if rng.random() < 0.9:  # as a hostile writer would, past the check for damage
+        metadata["checksum"] = records_checksum(metadata)
     text = json.dumps(document).encode("utf-8", "surrogatepass")
     text += b" " * (-len(text) % 8)
     if rng.random() < 0.2:

@@ -150,14 +150,16 @@ def _save_into(captures: list[Capture], directory: Path) -> None:
     lock = lock_for_writing(directory)
     written: list[Path] = []
     try:
-        # A new file system's lost+found is no one's recording.
-        if any(entry.name not in (WRITER_LOCK, "lost+found") for entry in directory.iterdir()):
+        # A new file system's lost+found is no one's recording, nor the mark of a save that
+        # was killed before it wrote anything.
+        if any(entry.name not in (WRITER_LOCK, SAVING, "lost+found")
+               for entry in directory.iterdir()):
             raise ThingError(f"{directory} exists and is not an empty directory; save to a "
                              "new one")
         # Segments appear one by one: until the last, a reader is told the save is not whole
         # (it stays so if this process is killed meanwhile).
-        os.close(os.open(directory / SAVING, os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                         | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        os.close(os.open(directory / SAVING, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600))
         written.append(directory / SAVING)
         _write(captures, directory, written)
         (directory / SAVING).unlink()

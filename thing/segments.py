@@ -143,7 +143,7 @@ def write_unflushed(path: Path, captures: Sequence[Capture],
     metadata = {"format": FORMAT, "version": str(FORMAT_VERSION),
                 "captures": "[" + ",".join(records) + "]",
                 "dropped": json.dumps(dropped or {})}
-    metadata["checksum"] = _checksum(metadata)
+    metadata["checksum"] = records_checksum(metadata)
     temporary = staging_directory(path.parent) / path.name
     try:
         serialize_file(tensors, str(temporary), metadata=metadata)
@@ -406,7 +406,7 @@ def _thing_metadata(metadata: Any, path: Path) -> tuple[list[Any], dict[str, int
                            f"version {FORMAT_VERSION}")
     records = _json_field(metadata, "captures", path)
     dropped = _json_field(metadata, "dropped", path)
-    if "checksum" in metadata and metadata["checksum"] != _checksum(metadata):
+    if "checksum" in metadata and metadata["checksum"] != records_checksum(metadata):
         raise BadRecording(f"{path}: its captures' records do not match their checksum: the "
                            "file was damaged")
     if not isinstance(records, list):
@@ -418,7 +418,7 @@ def _thing_metadata(metadata: Any, path: Path) -> tuple[list[Any], dict[str, int
     return records, {wire.printable(reason[:200]): count for reason, count in dropped.items()}
 
 
-def _checksum(metadata: dict[str, Any]) -> str:
+def records_checksum(metadata: dict[str, Any]) -> str:
     """CRC-32 of a segment's records and dropped counts (its numbers, names and strings: a
     flipped bit there would load as another value). Array bytes have none, as in
     safetensors: checking them would read every array at load."""
