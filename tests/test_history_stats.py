@@ -113,11 +113,11 @@ def test_power_iteration_holds_at_magnitudes_whose_products_overflow_or_vanish()
     warning), entries near 1e-100 made 0.0."""
     store = HistoryStore()
     u, v = np.ones(2048), np.linspace(1, 2, 2049)
-    for scale in (1e160, 1e-100, 1e-170):
+    for scale in (1e160, 1e-100, 1e-170, 1e-310):
         store.add(f"w{scale}", np.outer(u, v) * scale, (), 0, Sender("a:1"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for scale in (1e160, 1e-100, 1e-170):
+        for scale in (1e160, 1e-100, 1e-170, 1e-310):
             value = _columns(stats_table(store, f"w{scale}", spectral=True))["spectral"][0]
             assert value == pytest.approx(np.linalg.norm(u) * np.linalg.norm(v) * scale,
                                           rel=1e-9)

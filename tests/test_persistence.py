@@ -10,9 +10,11 @@ them reaches the store.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -766,3 +768,25 @@ def test_a_save_killed_midway_is_said_to_be_cut_short(tmp_path: Path, caplog) ->
     store.save(whole)
     assert HistoryStore().load(whole) == 2 and not caplog.records
     assert not (whole / ".thing-saving").exists()
+
+
+def test_a_file_system_that_cannot_flush_a_directory_still_saves(tmp_path: Path, monkeypatch,
+                                                                  caplog) -> None:
+    """Some refuse it (EINVAL): the files are whole and named, so it is a warning; a save
+    into an existing directory took back everything it wrote instead."""
+    real_fsync = os.fsync
+
+    def fsync(descriptor: int) -> None:
+        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    store = HistoryStore()
+    store.add("x", 1.0, (), 0, Sender("a:1"))
+    (tmp_path / "mount").mkdir()
+    with caplog.at_level("WARNING", logger="thing"):
+        for directory in (tmp_path / "mount", tmp_path / "new"):
+            assert store.save(directory) == 1
+            assert HistoryStore().load(directory) == 1
+    assert any("could not flush the directory" in r.getMessage() for r in caplog.records)

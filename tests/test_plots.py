@@ -381,9 +381,13 @@ def test_a_sparkline_gives_the_last_value_as_it_is(monkeypatch) -> None:
     store = HistoryStore()
     for step, value in enumerate([0.9, 0.7, 0.5, math.nan], 1):
         store.add("loss", value, (), 0, Sender("a:1"), call=step)
+    store.add("mixed", 1.5, (), 0, Sender("a:1"), call=1)
+    store.add("mixed", {"not": "a number"}, (), 0, Sender("a:1"), call=2)
     monkeypatch.setattr(plot_drawing, "_has", lambda module: module != "uniplot")
     drawn = plot_drawing.text(chart(store, "loss"), 100).splitlines()
     assert "last nan, min 0.5, max 0.9" in drawn[1], drawn
+    drawn = plot_drawing.text(chart(store, "mixed"), 100).splitlines()
+    assert "last (no number), min 1.5, max 1.5" in drawn[1], drawn
 
 
 def test_hard_cases_are_drawn_truthfully_or_said(server: thing.Server) -> None:

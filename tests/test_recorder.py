@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -171,6 +172,18 @@ def test_whole_segments_a_killed_writer_left_staged_join_the_recording(tmp_path:
     loaded = HistoryStore()
     assert loaded.load(directory) == 3
     assert [c.value.tolist()[0] for c in loaded.get_all("x")] == [0, 1, 9]
+    # Two names for one number (6 digits and 7): the first is named, the other deleted.
+    staging = directory / ".thing-staging"
+    for name, capture in (("segment-000007.safetensors", first),
+                          ("segment-0000007.safetensors", third)):
+        temporary, _ = write_unflushed(directory / name, [capture])
+        assert temporary == staging / name
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="thing"), Recorder(store, directory):
+        pass
+    assert [number for number, _ in segments_of(directory)] == [1, 2, 3, 7]
+    assert any("1 whole segments (1 captures)" in r.getMessage() for r in caplog.records)
+    assert not list(staging.iterdir())
 
 
 def test_a_staging_folder_that_is_a_link_is_refused_and_its_target_untouched(
@@ -354,6 +367,13 @@ def test_one_writer_per_directory(tmp_path: Path) -> None:
                                  text=True, timeout=60)
         assert refused.returncode == 1 and "is writing to" in refused.stderr
         assert "Server started" not in refused.stderr + refused.stdout
+    # One whose port is taken leaves no directory it made behind.
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        refused = subprocess.run([sys.executable, "-m", "thing", "record", str(tmp_path / "new"),
+                                  "--port", str(taken.getsockname()[1])], env=script_env(),
+                                 capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "already in use" in refused.stderr
+    assert not (tmp_path / "new").exists()
     assert recorder.written >= 1
     loaded = HistoryStore()
     loaded.load(tmp_path / "rec")

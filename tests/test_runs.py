@@ -158,7 +158,13 @@ def test_ranks_torchrun_started_again_after_a_failure_are_a_run_of_their_own(
                                     TORCHELASTIC_RUN_ID="none", MASTER_ADDR="127.0.0.1",
                                     MASTER_PORT="29501", TORCHELASTIC_RESTART_COUNT=restart))
     """, server.port, timeout=120)
+    # Across nodes each agent counts its own failures (a node restarted for another's counts
+    # none): one launch's ranks stay one run there, not split by their counts.
+    for restart in ("1", "0"):
+        run_script(JOB, server.port, BASE="1000", RANK="0", WORLD_SIZE="1", GROUP_WORLD_SIZE="2",
+                   TORCHELASTIC_RUN_ID="nodes-2", TORCHELASTIC_RESTART_COUNT=restart)
     ids = [run.id for run in server.runs()]
+    assert ids[4:] == ["nodes-2"]
     assert ids[:2] == ["launch-9", "launch-9-restart1"]
     assert ids[2].startswith("torchrun-127.0.0.1:29501-") and ids[3] == f"{ids[2]}-restart1"
     assert server.get_all("loss", run="launch-9") == [0.0, 1.0, 2.0]

@@ -170,6 +170,7 @@ def record_headless(directory: str, port: int | None = None, host: str | None = 
                     options: dict[str, Any] | None = None) -> int:
     """``thing record DIR``: receive and record until Ctrl+C or SIGTERM, then write what
     is waiting and stop."""
+    import shutil
     import signal
     import threading
 
@@ -183,6 +184,7 @@ def record_headless(directory: str, port: int | None = None, host: str | None = 
     # (as in any server) so that a capture is never refused for want of room.
     server = Server(port, host, store=HistoryStore(max_versions=1))
     # The directory first: one that cannot be recorded into is said before any server starts.
+    made = not os.path.lexists(directory)
     try:
         recorder = server.record(directory, on_segment=_print_segment, **(options or {}))
     except (ThingError, OSError) as exc:
@@ -192,6 +194,8 @@ def record_headless(directory: str, port: int | None = None, host: str | None = 
         server.start()
     except OSError as exc:
         server.close()  # lets the directory go
+        if made:  # nothing was recorded in it: not left behind
+            shutil.rmtree(directory, ignore_errors=True)
         print(f"thing: {_bind_failure(exc, server.host, server.port)}", file=sys.stderr)
         return 1
     stop = threading.Event()

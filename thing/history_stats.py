@@ -153,7 +153,8 @@ def _power_iteration(matrix: np.ndarray, steps: int = 100) -> float:
     # Worked out on the matrix scaled (exactly, by a power of two) to entries of at most 1:
     # products of entries near 1e160 overflow float64, and of entries near 1e-100 vanish.
     scale = math.frexp(largest)[1]
-    matrix = matrix * 2.0 ** -scale
+    half = scale // 2  # in two steps: 2**1074 (a subnormal's scale) is no float64
+    matrix = matrix * math.ldexp(1.0, -half) * math.ldexp(1.0, half - scale)
     vector = np.random.default_rng(0).standard_normal(matrix.shape[1]).astype(matrix.dtype)
     for _ in range(steps):
         vector = matrix.conj().T @ (matrix @ vector)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import math
 import os
 import shutil
 import sys
@@ -328,8 +329,12 @@ def _sparklines(drawing: Drawing, width: int) -> str:
             finite = series.values[np.isfinite(series.values)]
             label = series.label if panel.stat == "value" else \
                 f"{series.label} {'mean' if panel.stat == 'spread' else panel.title}"
-            # The last value as it is (a NaN too); min and max of the finite ones.
-            span = f"last {number(float(series.values[-1]))}, " + (
+            # The last value as it is (a NaN too, not the last finite one; a capture with no
+            # such number, a dict among numbers, says so); min and max of the finite ones.
+            last = float(series.values[-1])
+            shown = number(last) if math.isfinite(last) or np.isin(
+                series.steps[-1], series.non_finite) else "(no number)"
+            span = f"last {shown}, " + (
                 f"min {number(float(finite.min()))}, max {number(float(finite.max()))}"
                 if finite.size else "no finite values")
             lines.append(elide(f"{elide(label, 24, 'middle')}  "

@@ -29,6 +29,7 @@ from .segments import (
     KnownHeaders,
     Segment,
     clear_staging,
+    flush_names,
     flush_to_disk,
     read_segment,
     staging_directory,
@@ -73,14 +74,16 @@ def recover_staged(directory: Path) -> None:
         if number in taken:
             continue
         try:
-            captures += len(read_segment(staged).captures)
+            held = len(read_segment(staged).captures)
+            flush_to_disk(staged)
         except (BadRecording, OSError):
-            continue  # cut short: deleted below
-        flush_to_disk(staged)
+            continue  # cut short, or unreadable: deleted below
         os.rename(staged, segment_path(directory, number))
+        taken.add(number)  # segment-000005 and segment-0000005 are one number
         moved += 1
+        captures += held
     if moved:
-        flush_to_disk(directory)
+        flush_names(directory)
         log.warning("%s: %d whole segments (%d captures) that a stopped writer left in %s "
                     "are in the recording now", directory, moved, captures, STAGING)
     removed = clear_staging(directory)
@@ -150,9 +153,9 @@ def _save_into(captures: list[Capture], directory: Path) -> None:
     lock = lock_for_writing(directory)
     written: list[Path] = []
     try:
-        # A new file system's lost+found is no one's recording, nor the mark of a save that
-        # was killed before it wrote anything.
-        if any(entry.name not in (WRITER_LOCK, SAVING, "lost+found")
+        # A new file system's lost+found is no one's recording, nor what a save or recorder
+        # killed before its first segment was named left (its mark, its staging folder).
+        if any(entry.name not in (WRITER_LOCK, SAVING, STAGING, "lost+found")
                for entry in directory.iterdir()):
             raise ThingError(f"{directory} exists and is not an empty directory; save to a "
                              "new one")
@@ -163,7 +166,7 @@ def _save_into(captures: list[Capture], directory: Path) -> None:
         written.append(directory / SAVING)
         _write(captures, directory, written)
         (directory / SAVING).unlink()
-        flush_to_disk(directory)
+        flush_names(directory)
     except BaseException:
         for path in written:
             path.unlink(missing_ok=True)

@@ -78,9 +78,12 @@ def _torchrun_launch() -> Optional[str]:
     default "none", its master's address and the agent (the parent) on this node."""
     launch = os.environ.get("TORCHELASTIC_RUN_ID")
     # Ranks torchrun started again (--max-restarts) after a failure count their steps from
-    # the start again: a run of their own, not a continuation of the failed attempt's.
+    # the start again: a run of their own, not a continuation of the failed attempt's. Each
+    # node's agent counts only its own failures, so across nodes (one launch id) the count
+    # would split one attempt's ranks: there they stay one run, as the README says.
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
-    attempt = f"-restart{restart}" if restart.isdigit() and int(restart) else ""
+    one_node = os.environ.get("GROUP_WORLD_SIZE", "1") == "1" or launch == "none"
+    attempt = f"-restart{restart}" if one_node and restart.isdigit() and int(restart) else ""
     if launch and launch != "none":
         return f"{launch[:MAX_RUN_NAME - len(attempt)]}{attempt}"
     master = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")

@@ -211,10 +211,7 @@ def commit(temporary: Path, path: Path) -> int:
     except BaseException:
         _remove_quietly(temporary)
         raise
-    try:
-        flush_to_disk(path.parent)
-    except OSError as exc:  # the file is whole and named; only its name may not last a crash
-        log.warning("could not flush the directory of %s: %s", path, exc)
+    flush_names(path.parent)
     return os.stat(path).st_size
 
 
@@ -225,6 +222,16 @@ def _safetensors_writer() -> tuple[Any, Any]:
         raise ImportError("saving captures needs the safetensors package (0.8 or later): "
                           "pip install 'thing[save]'") from None
     return serialize_file, TensorSpec
+
+
+def flush_names(directory: Path) -> None:
+    """fsync a directory, so that the names in it last a machine's crash. A failure is
+    logged, not raised: the files are whole and named, only their names may not last it
+    (and some file systems refuse to flush a directory: EINVAL)."""
+    try:
+        flush_to_disk(directory)
+    except OSError as exc:
+        log.warning("could not flush the directory %s: %s", directory, exc)
 
 
 def flush_to_disk(path: Path) -> None:
