@@ -533,6 +533,66 @@ def test_a_first_said_anew_after_a_reconnection_counts_anew(server: thing.Server
     assert calls_of(server, "x") == [1, 2, 4, 5]
 
 
+def _cut_off(server: thing.Server) -> None:
+    """Cut every job off and keep them off (until max_connections is set again)."""
+    server.max_connections = 0
+    with server._lock:
+        for sock in list(server._connections):
+            sock.shutdown(socket.SHUT_RDWR)
+    poll(lambda: server.steering.clients == 0, what="the job to be cut off")
+
+
+def test_a_first_said_anew_while_the_job_was_away_counts_anew(server: thing.Server,
+                                                              jobs: list[Job]) -> None:
+    """Said again (after a reset, or over itself) while the job reconnects: the job took it
+    for the one it held, used up, and sent nothing (0 captures instead of 2)."""
+    jobs.append(job := Job(server.port, THING_RECONNECT_INTERVAL="0.2"))
+    server.every("x", 1)
+    server.first("x", 2)
+    job.sync()
+    job.catch("x", 3)
+    assert calls_of(server, "x") == [1, 2]
+    for said_again in (lambda: (server.reset("x"), server.every("x", 1)), lambda: None):
+        _cut_off(server)
+        said_again()
+        server.first("x", 2)  # said while it is away
+        server.max_connections = 256
+        poll(lambda: server.steering.clients == 1, what="the job to reconnect")
+        job.sync()
+        before = len(calls_of(server, "x"))
+        job.catch("x", 3)
+        assert len(calls_of(server, "x")) == before + 2
+    # Told again what it was told before, it keeps its count: none left.
+    _cut_off(server)
+    server.max_connections = 256
+    poll(lambda: server.steering.clients == 1, what="the job to reconnect")
+    job.sync()
+    before = len(calls_of(server, "x"))
+    job.catch("x", 3)
+    assert len(calls_of(server, "x")) == before
+
+
+def test_a_first_used_up_before_the_settings_expired_stays_used_up(jobs: list[Job]) -> None:
+    """The job went back to its own settings (THING_CONTROL_TTL) and the same REPL came
+    back: its replayed first= let as many through again, though status() said none."""
+    with thing.Server(port=0) as server:
+        jobs.append(job := Job(server.port, THING_CONTROL_TTL="0.5",
+                               THING_RECONNECT_INTERVAL="0.2"))
+        server.every("x", 1)
+        server.first("x", 2)
+        job.sync()
+        job.catch("x", 3)
+        assert calls_of(server, "x") == [1, 2]
+        _cut_off(server)
+        poll(lambda: job.run("settings") == "settings []\n", timeout=10,
+             what="settings to expire")
+        server.max_connections = 256
+        poll(lambda: server.steering.clients == 1, what="the job to reconnect")
+        job.sync()
+        job.catch("x", 3)
+        assert calls_of(server, "x") == [1, 2]
+
+
 def test_a_setting_for_another_rank_changes_nothing_here() -> None:
     """Kept for the rank this process may learn it is, a statement for another rank neither
     makes an on-demand name its own here nor turns the compiled gate off once the rank
@@ -549,6 +609,37 @@ def test_a_setting_for_another_rank_changes_nothing_here() -> None:
         ranked.apply(read(message("every", f"n{name}", None, 2)))
     ranked.apply(read(message("pause")))
     assert ranked.settings()[None].paused
+
+
+def test_a_reset_for_another_rank_leaves_this_ranks_requests(server: thing.Server) -> None:
+    """``reset(name, rank=0)`` dropped what was requested of the name on every rank."""
+    steered = overrides()  # rank 1
+    steered.apply(read(message("request", "x", None, 5)))
+    steered.apply(read(message("reset", "x", 0)))
+    steered.apply(read(message("reset", None, 2)))
+    assert steered.requests() == {"x": 5}
+    steered.apply(read(message("reset", "x", 1)))
+    assert steered.requests() == {}
+
+
+def test_a_request_ends_with_the_repl_that_made_it(jobs: list[Job]) -> None:
+    """A REPL restarted on the same port (another server) could neither see nor pause what
+    the last one requested, and received it all the same."""
+    with thing.Server(port=0) as repl:
+        port = repl.port
+        jobs.append(job := Job(port, THING_RECONNECT_INTERVAL="0.2"))
+        job.sync()  # connected
+        repl.request("x", 1000)
+        job.sync()  # the request reached it
+        job.catch("x", 2, every=10**6)
+        job.sync()
+        assert calls_of(repl, "x") == [1, 2]
+    with thing.Server(port=port) as restarted:
+        poll(lambda: restarted.steering.clients == 1, what="the job to reconnect")
+        job.sync()
+        job.catch("x", 3, every=10**6)
+        job.sync()
+        assert calls_of(restarted, "x") == []
 
 
 def test_a_setting_for_a_rank_applies_once_the_job_learns_its_rank(server: thing.Server

@@ -31,7 +31,6 @@ seconds after its last connection ended, then returns to its own.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
@@ -112,9 +111,9 @@ class SettingsTable:
         self._statements: dict[_Key, Statement] = {}
         self._keys_of: dict[Optional[str], set[_Key]] = {}  # a name's keys: found at once
         self._ranked = 0  # statements for one rank
-        self._order = itertools.count()
-        # first= counts of before a "forget": the replay that follows keeps them, and only
-        # that replay (see end_replay).
+        self.said = 0  # statements made so far: the next one's order
+        # first= counts of before a "forget" (or the settings' expiry): the replay that
+        # follows keeps them, and only that replay (see end_replay).
         self._kept_budgets: dict[tuple[Optional[str], Optional[int], int], Budget] = {}
 
     def apply(self, operation: str, name: Optional[str], rank: Optional[int],
@@ -123,9 +122,9 @@ class SettingsTable:
         statements = self._statements
         if operation not in STATEMENTS:
             raise ValueError(f"{operation!r} is not a statement")
-        if operation == "forget":
-            self._kept_budgets = {(s.name, s.rank, s.value): s.budget
-                                  for s in statements.values() if s.budget is not None}
+        if operation == "forget":  # added to what an earlier forget kept (settings expired)
+            self._kept_budgets.update({(s.name, s.rank, s.value): s.budget
+                                       for s in statements.values() if s.budget is not None})
             statements.clear()
             self._keys_of.clear()
             self._ranked = 0
@@ -148,8 +147,9 @@ class SettingsTable:
         budget = None
         if operation == "first":
             budget = self._kept_budgets.pop((name, rank, value), None) or Budget(value)
-        statements[(name, rank, kind)] = Statement(next(self._order), operation, name, rank,
-                                                   value, budget)
+        statements[(name, rank, kind)] = Statement(self.said, operation, name, rank, value,
+                                                   budget)
+        self.said += 1
         self._keys_of.setdefault(name, set()).add((name, rank, kind))
         self._ranked += rank is not None
         return True
@@ -344,8 +344,8 @@ class Overrides:
                 elif operation == "request":
                     kept &= self._request(message)
                 else:
-                    if operation == "reset":  # and no call asked for is left waiting
-                        self._forget_requests(name)
+                    if operation == "reset" and message.rank in (None, self._rank()):
+                        self._forget_requests(name)  # no call asked for is left waiting
                     kept &= self._table.apply(operation, name, message.rank, message.value)
                     everything |= name is None or operation == "forget"
                     changed.add(name)
@@ -390,13 +390,17 @@ class Overrides:
 
     def connected(self, channel: int, server: Optional[str]) -> None:
         """A connection to the server instance ``server`` is up: the settings stay (the server
-        replays its own). A ``first`` count used up under another server (a REPL since
-        restarted) is not kept for the same ``first`` said anew."""
+        replays its own). Under another server (a REPL since restarted) nothing of the
+        last one's is kept: not a ``first`` count used up, for the same ``first`` said
+        anew, nor a request, which that server could neither show nor stop."""
         with self._write:
             self._connections.add(channel)
             self._expires_at = None
             if server != self._server:  # its replay decides all; nothing is kept from before
                 self._table, self._server = SettingsTable(), server
+                self._forget_requests(None)
+                self._resolve_all()
+                self._refresh()
 
     def disconnected(self, channel: int) -> None:
         """A connection ended: with none left, the settings last ``ttl`` seconds more."""
@@ -442,7 +446,9 @@ class Overrides:
         self._settings = self._table.settings(rank)
 
     def _forget_all(self) -> None:
-        self._table = SettingsTable()
+        # As a "forget": what a first= let through is kept for the replay of the same
+        # server's statements, should it come back (another server's starts a new table).
+        self._table.apply("forget", None, None, 0)
         self._settings, self._expires_at = {}, None
         self._forget_requests(None)
         self._refresh()

@@ -9,7 +9,10 @@ the requests, which are for the calls of now) in the same
 oldest first, to each client that connects later, after a ``forget`` and
 before a ``replayed`` (to a client that asked for it: it holds what it caught
 before it connected until then): a restarted job decides as one connected all
-along, and holds nothing it no longer should. The client applies them
+along, and holds nothing it no longer should. A job that was connected before
+(the same host, pid and run) is told after the ``replayed`` what was said
+since it was last told anything: said anew, a ``first`` it held counts anew,
+where one it was told before keeps its count. The client applies them
 (``overrides.py``); nothing in the job runs code from the REPL.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Optional
 
 from . import wire
@@ -28,6 +32,9 @@ from .sockets import shutdown
 if TYPE_CHECKING:
     from .receiver import Connection
 
+# Jobs (host, pid, run) whose last telling is remembered; beyond, the oldest is forgotten
+# (it is then told everything as replayed, as a job never seen).
+MAX_JOBS_TOLD = 4096
 
 
 class Steering:
@@ -41,22 +48,30 @@ class Steering:
         # Told to every client: one that reconnects to the same statements keeps what a
         # first= let through, one that meets a restarted REPL's starts afresh.
         self.instance = secrets.token_hex(8)
+        # Job -> how many statements the table had made when it was last told (see attach).
+        self._told: OrderedDict[tuple[str, int, Optional[str]], int] = OrderedDict()
 
     def attach(self, connection: Connection) -> None:
         """Start steering a client that has just connected: what is in force, after a
-        ``forget`` of what it may hold from before."""
+        ``forget`` of what it may hold from before; to a job told before, what was said
+        since then after the ``replayed``, as said anew."""
         if not connection.takes_control:
             return
         with self._lock:
             self._connections.add(connection)
+            told = self._told.get(_job(connection))
+            statements = self._table.statements()
+            replayed = [s for s in statements if told is None or s.order < told]
             messages = [wire.encode_control("forget", None, None)] + [
-                wire.encode_control(s.operation, s.name, s.rank, s.value)
-                for s in self._table.statements()]
+                wire.encode_control(s.operation, s.name, s.rank, s.value) for s in replayed]
             if connection.awaits_replay:
                 messages.append(wire.encode_control("replayed", None, None))
+            messages += [wire.encode_control(s.operation, s.name, s.rank, s.value)
+                         for s in statements[len(replayed):]]
             for message in messages:
                 if not self._send(connection, message):
                     return
+            self._remember(connection)
 
     def detach(self, connection: Connection) -> None:
         """Forget a connection that ended."""
@@ -82,7 +97,12 @@ class Steering:
                 raise ArgumentError(f"the REPL steers at most {MAX_STEERED_NAMES} names, and sets "
                                  f"at most {MAX_RANKED_STATEMENTS} things for single ranks: "
                                  "thing.reset() some first")
-            return sum(self._send(connection, message) for connection in list(self._connections))
+            sent = 0
+            for connection in list(self._connections):
+                if self._send(connection, message):
+                    self._remember(connection)
+                    sent += 1
+            return sent
 
     def statements(self) -> list[Statement]:
         """What is set now, oldest first."""
@@ -94,6 +114,14 @@ class Steering:
         """Connected clients that take control."""
         with self._lock:
             return len(self._connections)
+
+    def _remember(self, connection: Connection) -> None:
+        """Note that ``connection``'s job was told every statement made so far."""
+        job = _job(connection)
+        self._told[job] = self._table.said
+        self._told.move_to_end(job)
+        while len(self._told) > MAX_JOBS_TOLD:
+            self._told.popitem(last=False)
 
     def _send(self, connection: Connection, message: bytes) -> bool:
         """Send to one client; one that missed a message is disconnected, so that it
@@ -108,3 +136,9 @@ class Steering:
         self._connections.discard(connection)
         shutdown(connection.sock)
         return False
+
+
+def _job(connection: Connection) -> tuple[str, int, Optional[str]]:
+    """Which job a connection is from, as its hello says (a reconnection says the same)."""
+    sender = connection.sender
+    return sender.hostname, sender.pid, sender.run
