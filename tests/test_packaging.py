@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import textwrap
 import zipfile
 from pathlib import Path
@@ -70,6 +71,26 @@ def test_wheel_is_a_platform_wheel_with_the_compiled_core(wheel: Path) -> None:
     assert "thing/_core/fallback.py" in names
     assert "thing/wire.py" in names and "thing/__init__.py" in names
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names), names
+    assert not any(n.endswith(".c") for n in names), names  # Cython's output: 1.5 MB of it
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+
+
+def test_the_source_distribution_holds_what_builds_and_checks_it(tmp_path: Path) -> None:
+    """Its tests collected 30 errors (no conftest.py, no corpus) and README's links to docs/
+    led nowhere."""
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=_NOT_SOURCE)
+    _run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "-o", str(tmp_path)],
+         cwd=source, env=_clean_env())
+    (sdist,) = tmp_path.glob("thing-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    for needed in ("LICENSE", "setup.py", "pyproject.toml", "thing/_core/_transport.pyx",
+                   "docs/FORMAT.md", "docs/PROTOCOL.md", "tests/__init__.py",
+                   "tests/conftest.py"):
+        assert needed in names, needed
+    assert any(name.startswith("tests/corpus/") for name in names)
+    assert not any("__pycache__" in name or name.endswith(".so") for name in names)
 
 
 SERVER = """

@@ -310,7 +310,8 @@ def test_without_the_plotting_libraries_everything_still_works(history: thing.Se
             print("refused:", exc)
     """, COLUMNS="100")
     lines = out.splitlines()
-    assert sum(line.startswith("pip install 'thing[plot]' draws plots") for line in lines) == 1
+    assert sum(line.startswith("pip install matplotlib uniplot (thing's plot extra) draws")
+               for line in lines) == 1
     assert sum("pandas is not installed" in line for line in lines) == 1
     spark = next(line for line in lines if line.startswith("loss  "))
     assert "×" in spark and "last 0.0" in spark

@@ -9,7 +9,7 @@
 - ``file="x.png"`` (or ``.svg``, ``.pdf``): matplotlib writes it, anywhere.
 - Where neither library is installed: a sparkline per line with its last,
   lowest and highest value, and once per session the line that names the
-  extra that draws it: ``pip install 'thing[plot]'``.
+  packages that draw it (thing's ``plot`` extra).
 
 uniplot rather than plotext, measured on the development VM: uniplot
 imports in 30–46 ms beyond numpy, plotext 6.1 in 164–244 ms; at 80×24
@@ -44,8 +44,9 @@ from .store import HistoryStore
 Drawing = Union[Chart, Histogram]
 
 
-INSTALL_HINT = ("pip install 'thing[plot]' draws plots: matplotlib in Jupyter and for "
-                "file=, uniplot in a terminal")
+# By the packages' own names: "thing" on the package index is another project.
+INSTALL_HINT = ("pip install matplotlib uniplot (thing's plot extra) draws plots: matplotlib "
+                "in Jupyter and for file=, uniplot in a terminal")
 LIVE_INTERVAL = 0.5  # seconds between a live plot's redraws, at least
 SPARK = "▁▂▃▄▅▆▇█"
 

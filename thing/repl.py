@@ -128,7 +128,7 @@ def save(path: str | os.PathLike[str], names: str | Iterable[str] | None = None)
 
     Arrays go into safetensors files, the rest (names, containers, numbers,
     senders, call sites, times) into their metadata; ``thing.load`` reads it
-    back. Needs the ``safetensors`` package (``pip install 'thing[save]'``).
+    back. Needs the ``safetensors`` package (thing's ``save`` extra).
     Returns how many captures were written. A directory that holds anything
     already is refused, and a save that fails leaves nothing behind.
     """
@@ -225,7 +225,7 @@ def plot(names: str | list[str], stat: str | list[str] = "auto", rank: int | str
     "mean", "std", "min", "max", "nan", "inf", "spectral". ``rank="all"``
     draws a line per rank, ``run="all"`` one per run (else as in
     :func:`get_all`). In Jupyter an inline image (matplotlib), in a terminal
-    a Unicode plot (uniplot): ``pip install 'thing[plot]'``. ``file="x.png"``
+    a Unicode plot (uniplot), from thing's ``plot`` extra. ``file="x.png"``
     writes it instead. ``live=True`` redraws it as captures arrive: in
     Jupyter at most twice a second, returning a view whose ``stop()`` ends
     it; in a terminal until Ctrl+C.

@@ -220,7 +220,7 @@ def _safetensors_writer() -> tuple[Any, Any]:
         from safetensors import TensorSpec, serialize_file
     except ImportError:
         raise ImportError("saving captures needs the safetensors package (0.8 or later): "
-                          "pip install 'thing[save]'") from None
+                          "pip install 'safetensors>=0.8' (thing's save extra)") from None
     return serialize_file, TensorSpec
 
 

@@ -32,7 +32,8 @@ def _say_not_built(exc: ImportError) -> None:
         remedy = (f"build it with `python -m pip install -e {checkout}`, or start Python "
                   "outside that folder to use the installed thing")
     else:
-        remedy = "reinstall thing (`python -m pip install --force-reinstall thing`)"
+        # Not by name: "thing" on the package index is another project.
+        remedy = "reinstall thing from the wheel or the source it was installed from"
     # Straight to logging, before thing's NullHandler (thing/log.py) is added: with no
     # logging configured, this one warning is printed.
     import logging
