@@ -194,3 +194,27 @@ def test_a_build_from_before_the_gate_falls_back_to_the_twin(tmp_path) -> None:
     result = _import_from_a_source_tree(tmp_path, {"_transport": "from .fallback import *\n"})
     assert "compiled core is not built for this source" in result.stderr
     assert "_throttles" in result.stderr
+
+
+def test_a_build_of_an_earlier_text_of_the_source_falls_back_to_the_twin(tmp_path) -> None:
+    """A .pyx edited and not rebuilt (an editable install) ran the old compiled code without
+    a word: only a build that lacked a name was noticed."""
+    shutil.copytree(ROOT / "thing", tmp_path / "thing",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    assert list((tmp_path / "thing" / "_core").glob("_transport*.so")), "not built in place"
+
+    def backend() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", "import thing; print(thing.BACKEND)"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                              env={k: v for k, v in os.environ.items()
+                                   if k not in ("PYTHONPATH", "THING_PUREPYTHON")})
+
+    built = backend()
+    assert built.stdout.strip() == "compiled" and "not built" not in built.stderr
+    with open(tmp_path / "thing" / "_core" / "_transport.pyx", "a") as source:
+        source.write("# edited since the build\n")
+    edited = backend()
+    assert edited.returncode == 0 and edited.stdout.strip() == "python"
+    assert "_transport.pyx changed since it was built" in edited.stderr
+    assert f"python -m pip install -e {tmp_path}" in edited.stderr

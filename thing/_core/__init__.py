@@ -29,8 +29,9 @@ def _say_not_built(exc: ImportError) -> None:
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     checkout = os.path.dirname(package)
     if os.path.exists(os.path.join(checkout, "pyproject.toml")):
-        remedy = (f"build it with `python -m pip install -e {checkout}`, or start Python "
-                  "outside that folder to use the installed thing")
+        remedy = (f"build it with `python -m pip install -e {checkout}` (or `python setup.py "
+                  "build_ext --inplace` there), or, to use a thing installed elsewhere, start "
+                  "Python outside that folder")
     else:
         # Not by name: "thing" on the package index is another project.
         remedy = "reinstall thing from the wheel or the source it was installed from"
@@ -41,6 +42,28 @@ def _say_not_built(exc: ImportError) -> None:
     logging.getLogger("thing").warning(
         "thing's compiled core is not built for this source (%s), so thing runs on its "
         "slower pure-Python twin. Imported from %s: %s.", exc, package, remedy)
+
+
+def _changed_since_built(*modules: object) -> str | None:
+    """In a source checkout (a pyproject.toml beside the package), the first ``.pyx`` whose
+    text is not what its extension was built from (an edit not yet built, which would
+    otherwise run the old code without a word); None where they agree, or elsewhere."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if not os.path.exists(os.path.join(os.path.dirname(os.path.dirname(here)),
+                                       "pyproject.toml")):
+        return None
+    import zlib
+
+    for module in modules:
+        source = os.path.join(here, f"{module.__name__.rpartition('.')[2]}.pyx")
+        try:
+            with open(source, "rb") as text:
+                digest = f"{zlib.crc32(text.read()):08x}"  # as setup.py worked it out
+        except OSError:
+            continue
+        if getattr(module, "SOURCE_DIGEST", None) != digest:
+            return os.path.basename(source)
+    return None
 
 
 if os.environ.get("THING_PUREPYTHON", "") not in ("", "0"):
@@ -59,6 +82,9 @@ else:
         missing += [name for name in _THROTTLES if not hasattr(_throttles, name)]
         if missing:
             raise ImportError(f"the build is older than the source: it lacks {', '.join(missing)}")
+        changed = _changed_since_built(_movers, _throttles)
+        if changed:
+            raise ImportError(f"{changed} changed since it was built")
         BACKEND = "compiled"
     except ImportError as exc:  # pragma: no cover - depends on the build
         from . import fallback as _movers

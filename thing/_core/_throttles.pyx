@@ -21,8 +21,12 @@ from cpython.dict cimport PyDict_GetItem
 from cpython.exc cimport PyErr_Clear
 from cpython.ref cimport Py_XDECREF, Py_XINCREF
 
+from thing._core._build cimport THING_SOURCE_DIGEST
+
 import functools
 import sys
+
+SOURCE_DIGEST = THING_SOURCE_DIGEST.decode("ascii")  # see _build.pxd
 
 cdef extern from *:
     """

@@ -37,6 +37,8 @@ from libc.stdint cimport uint64_t
 from libc.string cimport memcmp, memcpy, memset, strerror
 from posix.unistd cimport write
 
+from thing._core._build cimport THING_SOURCE_DIGEST
+
 cdef extern from "<sys/uio.h>":
     struct iovec:
         void *iov_base
@@ -189,6 +191,7 @@ def recv_buffers(sock, buffers) -> int:
 
 
 MAX_DESCRIPTORS = THING_MAX_DESCRIPTORS
+SOURCE_DIGEST = THING_SOURCE_DIGEST.decode("ascii")  # see _build.pxd
 
 
 def recv_some(sock, buffer, Py_ssize_t offset, list descriptors=None) -> int:
