@@ -155,6 +155,39 @@ def test_a_tensor_resized_after_the_call_is_reported_and_the_stream_stays_in_ste
                                                                   "data"}
 
 
+def test_a_sparse_tensor_torch_would_not_build_is_refused_not_stored(
+        server: thing.Server) -> None:
+    """Built by the job with torch's checks off (its default), a CSR tensor whose column
+    indices repeat or are out of order within a row (as scipy's often are), or a COO tensor
+    said to be coalesced that is not, was stored ("stored", its handle said) and could
+    not be read: get() raised, and get_all() of its name too, for every capture of it."""
+    out = run_script(
+        """
+        import json, warnings, torch, thing
+        warnings.simplefilter("ignore")
+        good = torch.eye(3).to_sparse_csr()
+        unsorted = torch.sparse_csr_tensor(torch.tensor([0, 2, 2, 3]), torch.tensor([1, 0, 2]),
+                                           torch.tensor([1.0, 2.0, 3.0]), (3, 3))
+        repeated = torch.sparse_bsr_tensor(torch.tensor([0, 2]), torch.tensor([0, 0]),
+                                           torch.ones(2, 1, 1), (1, 2))
+        lying = torch.sparse_coo_tensor(torch.tensor([[0, 0]]), torch.tensor([1.0, 2.0]), (3,),
+                                        is_coalesced=True)
+        handles = [thing.catch(t, name=n) for n, t in [
+            ("w", good), ("w", unsorted), ("w", repeated), ("w", good), ("c", lying)]]
+        print(json.dumps([[h.wait(10), h.error] for h in handles]))
+        """,
+        server.port,
+    )
+    outcomes = json.loads(out)
+    assert [stored for stored, _ in outcomes] == [True, False, False, True, False]
+    assert "col_indices are not sorted and distinct within each row" in outcomes[1][1]
+    assert "col_indices are not sorted and distinct within each row" in outcomes[2][1]
+    assert "says it is coalesced, but its indices repeat" in outcomes[4][1]
+    kept = server.store.get_all("w")
+    assert len(kept) == 2 and all(torch.equal(w.value.to_dense(), torch.eye(3)) for w in kept)
+    assert {notice.name for notice in server.store.unsent()} == {"w", "c"}
+
+
 def test_a_str_enum_and_a_large_bytearray_arrive_as_they_were_at_the_call(
         server: thing.Server) -> None:
     """A ``(str, Enum)`` member (transformers' config enums) travels as its text, not as

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._core import bytes_at
-from .errors import ProtocolError, UnsupportedType
+from .errors import InvalidValue, UnsupportedType
 from .log import log
 
 # The wire's byte order is little-endian: a tensor's memory is sent as it is only here.
@@ -501,18 +501,22 @@ def sparse_tensor(sent: SparseParts) -> Any:
             return construct(*tensors, sent.size, check_invariants=True, **options)
     except (RuntimeError, ValueError, IndexError) as exc:  # what torch's own checks raise
         reason = str(exc).splitlines()[0]
-        raise ProtocolError(f"the peer sent an invalid {sent.layout} tensor: {reason}") from None
+        raise InvalidValue(f"the peer sent an invalid {sent.layout} tensor: {reason}") from None
 
 
 def check_sparse_indices(sent: SparseParts) -> None:
-    """Raise :class:`ProtocolError` unless a peer's sparse tensor's indices fit its size.
+    """Raise :class:`InvalidValue` unless a peer's sparse tensor's indices are what torch
+    would build: within its size, and sorted as its layout requires.
 
     The parts may be numpy arrays (the receiver checks them as they arrive, so
     a bad tensor is refused, not stored) or CPU torch tensors.
     """
     layout = SPARSE_LAYOUTS[sent.layout]
     if layout.compressed_dim is None:
-        _check_coo_indices(np.asarray(sent.parts["indices"]), sent.size)
+        indices = np.asarray(sent.parts["indices"])
+        _check_coo_indices(indices, sent.size)
+        if sent.coalesced:
+            _check_coalesced(indices)
     else:
         compressed, plain = (np.asarray(sent.parts[name]) for name in layout.parts[:2])
         _check_compressed_indices(sent, layout, compressed, plain)
@@ -525,9 +529,22 @@ def _check_coo_indices(indices: np.ndarray, size: list[int]) -> None:
     outside = np.flatnonzero((lowest < 0) | (highest >= np.array(size[: len(lowest)], np.int64)))
     if outside.size:
         dim = outside[0]
-        raise ProtocolError(
+        raise InvalidValue(
             f"the peer sent an invalid sparse_coo tensor: its indices of dim {dim} run from "
             f"{lowest[dim]} to {highest[dim]}, outside its size {size[dim]}")
+
+
+def _check_coalesced(indices: np.ndarray) -> None:
+    """A COO tensor said to be coalesced: each index after the one before, none twice, as
+    torch requires of one (it would not build it, and the capture could not be read)."""
+    if indices.shape[1] < 2:
+        return
+    steps = np.diff(indices, axis=1)  # indices are within its size (checked): no overflow
+    first = np.argmax(steps != 0, axis=0)  # the dim where each index differs from the last
+    if not (steps[first, np.arange(steps.shape[1])] > 0).all():
+        raise InvalidValue("the peer sent an invalid sparse_coo tensor: it says it is "
+                            "coalesced, but its indices repeat or are out of order (torch "
+                            "refuses it; coalesce() it)")
 
 
 def _check_compressed_indices(sent: SparseParts, layout: SparseLayout, compressed: np.ndarray,
@@ -543,11 +560,28 @@ def _check_compressed_indices(sent: SparseParts, layout: SparseLayout, compresse
     if compressed.size and (
             compressed.min() < 0 or compressed.max() > nnz or (compressed[..., 0] != 0).any()
             or (compressed[..., -1] != nnz).any() or (np.diff(compressed) < 0).any()):
-        raise ProtocolError(f"the peer sent an invalid {sent.layout} tensor: its "
+        raise InvalidValue(f"the peer sent an invalid {sent.layout} tensor: its "
                             f"{compressed_name} do not rise from 0 to its {nnz} elements")
     if plain.size and (plain.min() < 0 or plain.max() >= plain_extent):
-        raise ProtocolError(f"the peer sent an invalid {sent.layout} tensor: its {plain_name} "
+        raise InvalidValue(f"the peer sent an invalid {sent.layout} tensor: its {plain_name} "
                             f"run from {plain.min()} to {plain.max()}, not below {plain_extent}")
+    if nnz > 1 and not _sorted_within_rows(compressed.reshape(-1, compressed.shape[-1]),
+                                           plain.reshape(-1, nnz)):
+        raise InvalidValue(f"the peer sent an invalid {sent.layout} tensor: its {plain_name} "
+                            f"are not sorted and distinct within each "
+                            f"{('row', 'column')[layout.compressed_dim]} "
+                            "(torch refuses it; rebuild it, e.g. through to_dense())")
+
+
+def _sorted_within_rows(compressed: np.ndarray, plain: np.ndarray) -> bool:
+    """Whether, in each batch, the plain indices rise within each compressed row (a new row
+    may start anywhere): what torch checks of a compressed tensor."""
+    rises = np.diff(plain, axis=1) > 0  # (batches, nnz - 1): element k to element k + 1
+    starts = compressed[:, 1:-1]  # where rows 1 .. n-1 start: k + 1 for the step from k
+    batch = np.broadcast_to(np.arange(len(starts))[:, None], starts.shape)
+    inside = (starts > 0) & (starts < plain.shape[1])
+    rises[batch[inside], starts[inside] - 1] = True  # a step into a new row may fall
+    return bool(rises.all())
 
 
 def torch_size(extents: list[int]) -> Any:

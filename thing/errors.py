@@ -35,6 +35,12 @@ class LimitExceeded(ProtocolError):
     """
 
 
+class InvalidValue(ProtocolError):
+    """A frame read whole holds a value no framework would build (a sparse tensor whose
+    indices break torch's rules); it is refused with this reason, the connection stays up.
+    """
+
+
 class BadRecording(ThingError, ValueError):
     """A file of a recording is not one thing wrote, or was damaged; nothing of it was loaded."""
 

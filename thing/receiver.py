@@ -36,7 +36,7 @@ from .arrays import CARRIER_DTYPES, LeafSpec
 from .buffers import ReceiveBuffers
 from .captures import Capture, Sender
 from .channel import SMALL_BYTES
-from .errors import HandshakeError, LimitExceeded, ProtocolError
+from .errors import HandshakeError, InvalidValue, LimitExceeded, ProtocolError
 from .run_names import MAX_RUN_NAME
 from .send_queue import NOT_DELIVERED_REASONS
 from .sockets import set_timeouts
@@ -450,7 +450,7 @@ class Connection:
                 return self._skip(payload_in_stream, signature, seq, known, too_large or exc)
             try:
                 capture = self._receive_payload(prefix, known, fds, signature, charge)
-            except LimitExceeded as exc:  # the whole frame was read: still in step
+            except (LimitExceeded, InvalidValue) as exc:  # read whole: still in step
                 self._warn_refused(known, exc)
                 self._note_refused(known, exc)
                 return wire.encode_ack(seq, -1, str(exc))

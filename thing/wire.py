@@ -283,14 +283,16 @@ def _nan_node(nan: float) -> Any:
 
 def _scalar_node(obj: Any) -> Any:
     """None, a bool, int, float, complex or str; a subclass (an IntEnum) travels as its base,
-    its own value: a ``(str, Enum)`` member's ``str()`` is its class and name, not its text."""
+    its own value, read by the base's own methods: a ``(str, Enum)`` member's ``str()`` is
+    its class and name, not its text, and a subclass's ``__float__`` may say anything."""
     if obj is None or type(obj) is bool:
         return obj
     if isinstance(obj, float):
-        return _float_node(float(obj))
+        return _float_node(float.__float__(obj))
     if isinstance(obj, complex):
-        return {"complex": [_float_node(obj.real), _float_node(obj.imag)]}
-    return int(obj) if isinstance(obj, int) else str.__str__(obj)
+        return {"complex": [_float_node(complex.real.__get__(obj)),
+                            _float_node(complex.imag.__get__(obj))]}
+    return int.__int__(obj) if isinstance(obj, int) else str.__str__(obj)
 
 
 def _size_node(size: tuple[int, ...]) -> Any:
@@ -312,7 +314,8 @@ def _dict_key(key: Any, taking: _Taking) -> Any:
     taking.node(len(key) if isinstance(key, str) else 0)
     if key is None or type(key) in (int, bool, str):
         return key
-    if isinstance(key, (int, str)) or isinstance(key, float) and math.isfinite(key):
+    if isinstance(key, (int, str)) or isinstance(key, float) and math.isfinite(
+            float.__float__(key)):
         return _scalar_node(key)  # a subclass (an IntEnum, a numpy float64) travels as its base
     shown = repr(key) if isinstance(key, float) else type_name(key)
     raise UnsupportedType(f"dict keys must be str, int, bool, None or finite floats, not {shown}")
