@@ -188,6 +188,30 @@ def test_a_sparse_tensor_torch_would_not_build_is_refused_not_stored(
     assert {notice.name for notice in server.store.unsent()} == {"w", "c"}
 
 
+def test_a_tensor_with_no_data_is_not_sent_and_says_why_without_a_word_printed(
+        server: thing.Server) -> None:
+    """A fake tensor (torch.compile's tracing) printed torch's warning from inside catch()
+    and a meta one was "not sent: Cannot copy out of meta tensor"."""
+    result = run_script(
+        """
+        import torch, thing
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode():
+            fake = torch.empty(4)
+        for value in (fake, torch.empty(4, device="meta"), torch.empty(0, device="meta")):
+            handle = thing.catch(value, name="nothing")
+            assert not handle.wait(10)
+            print(handle.error)
+        assert thing.catch(torch.ones(2), name="after").wait(10)
+        """,
+        server.port, full=True,
+    )
+    assert result.stdout.splitlines() == ["not sent: cannot send a tensor that has no data: one "
+                                          "on the meta device, or a fake tensor (torch.compile's "
+                                          "tracing)"] * 3
+    assert "Warning" not in result.stderr, result.stderr
+
+
 def test_a_str_enum_and_a_large_bytearray_arrive_as_they_were_at_the_call(
         server: thing.Server) -> None:
     """A ``(str, Enum)`` member (transformers' config enums) travels as its text, not as

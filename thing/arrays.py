@@ -338,9 +338,15 @@ def _check_memory(tensor: Any, nbytes: int) -> int | None:
     reads a tensor in place; memory freed while it is being sent is not
     caught, which ``copy=True`` avoids.
     """
+    torch = sys.modules["torch"]
     try:
         storage = tensor.untyped_storage()
-        base = storage.data_ptr()
+        # A fake tensor (torch.compile's tracing) has no data, and warns when asked where it
+        # lies: its storage is on the meta device. (Asked of a subclass only: two attributes
+        # more cost a plain tensor's catch right after a step microseconds.)
+        fake = (type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+                and storage.device.type == "meta")
+        base = 0 if fake else storage.data_ptr()
     except (NotImplementedError, TypeError):  # a tensor under vmap or grad: torch reads it
         return None
     except RuntimeError:
@@ -350,6 +356,9 @@ def _check_memory(tensor: Any, nbytes: int) -> int | None:
             "cannot send a tensor that has no data of its own (a wrapper subclass such as "
             "DTensor, or a tensor traced by torch.func.functionalize or torch.compile): "
             "catch a plain tensor (a DTensor's full_tensor() or to_local())") from None
+    if not base and (fake or storage.device.type == "meta"):
+        raise UnsupportedType("cannot send a tensor that has no data: one on the meta device, "
+                              "or a fake tensor (torch.compile's tracing)")
     if tensor.is_contiguous():
         start = tensor.storage_offset() * tensor.element_size()
         end = start + nbytes
