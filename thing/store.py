@@ -584,7 +584,7 @@ class HistoryStore:
         return sorted(known for known in self._by_identifier.get(hash(ident), ())
                       if identifier_for(known) == ident)
 
-    def _unknown(self, name: str) -> str:
+    def _unknown(self, name: str) -> str | _NameSuggestions:
         notices = list(reversed(self._unsent.values()))
         notice = next((n for n in notices if n.name == name),
                       next((n for n in notices if _names(n.name, name)), None))
@@ -595,17 +595,7 @@ class HistoryStore:
         if notice is not None:
             return (f"nothing named {name!r} arrived: its sender could not send it "
                     f"({notice.reason})")
-        known = list(self._by_name)
-        close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
-        # A name typed without its prefix or suffix ("weight" for "model.lm_head.weight").
-        close += [k for k in known if name and name in k and k not in close][: 5 - len(close)]
-        if close:
-            return f"no capture named {name!r}; did you mean {', '.join(map(repr, close))}?"
-        if not known:
-            return (f"no capture named {name!r}: nothing is kept (none received yet, or "
-                    "all cleared or evicted)")
-        shown = ", ".join(map(repr, known[:20])) + (", ..." if len(known) > 20 else "")
-        return f"no capture named {name!r}; known names: {shown}"
+        return _NameSuggestions(name, list(self._by_name))
 
     def names(self) -> list[str]:
         """Names with at least one kept capture, in order of their first arrival."""
@@ -750,6 +740,37 @@ class HistoryStore:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+class _NameSuggestions:
+    """An unknown name's message, with the kept names closest to it: worked out when it is
+    shown, not where it is raised, under the store's lock (among 100,000 names, seconds in
+    which nothing could be stored)."""
+
+    def __init__(self, name: str, known: list[str]):
+        self.name, self.known = name, known
+        self._text: str | None = None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            self._text = self._suggest()
+        return self._text
+
+    def __repr__(self) -> str:
+        return repr(str(self))
+
+    def _suggest(self) -> str:
+        name, known = self.name, self.known
+        close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
+        # A name typed without its prefix or suffix ("weight" for "model.lm_head.weight").
+        close += [k for k in known if name and name in k and k not in close][: 5 - len(close)]
+        if close:
+            return f"no capture named {name!r}; did you mean {', '.join(map(repr, close))}?"
+        if not known:
+            return (f"no capture named {name!r}: nothing is kept (none received yet, or "
+                    "all cleared or evicted)")
+        shown = ", ".join(map(repr, known[:20])) + (", ..." if len(known) > 20 else "")
+        return f"no capture named {name!r}; known names: {shown}"
 
 
 def _at_step(name: str, history: list[Capture], step: int) -> Capture:
