@@ -217,6 +217,25 @@ def test_under_steady_traffic_the_worker_still_works_and_lets_go_when_closed() -
     assert store._listeners == []  # the worker's listener went with it
 
 
+def test_under_steady_traffic_the_worker_waits_for_a_pause_once_not_before_each_slice(
+        monkeypatch) -> None:
+    """It waited up to a second for a pause before every slice: with several ranks sending
+    it did one slice a second (about 1 % of a core, not its share) and fell behind for as
+    long as the job ran. Once a pause was waited for in vain, the rests alone space it."""
+    from thing import history_stats
+
+    store = HistoryStore()
+    for step in range(20):
+        store.add("w", np.full(4, step, np.float32), (), 16, Sender("a:1"), call=step + 1)
+    worker = history_stats.StatsWorker(store, share=1.0)
+    worker._waiting.extend(capture.id for capture in store.get_all("w"))
+    waits = []
+    monkeypatch.setattr(worker, "_wait_for_a_pause", lambda: waits.append(1) or False)
+    monkeypatch.setattr(history_stats, "SLICE_SECONDS", 1e-4)  # a few captures a slice
+    assert worker._work_through()
+    assert len(waits) == 1 and all(c.stats is not None for c in store.get_all("w"))
+
+
 @pytest.mark.parametrize("value", [
     np.float32(1.5), np.array([-0.0]), np.array([np.nan]), np.array([np.inf], np.float16),
     np.array([-np.inf]), np.array([2**62 + 1], np.int64), np.array([2**64 - 1], np.uint64),
