@@ -266,6 +266,19 @@ def test_ingest_all_binds_sanitised_names_and_keeps_existing(default: thing.Serv
     assert bound["loss"] == "loss" and namespace["loss"].tolist() == [0]
 
 
+def test_ingest_all_lists_at_most_fifty_names_of_a_kind(default: thing.Server) -> None:
+    """Among 20,000 names its echo was 20,000 lines; the dict it returns has them all."""
+    store = default.store
+    for i in range(120):
+        store.add(f"layer{i}.weight", float(i), (), 0, Sender("a:1"))
+    namespace = {f"layer{i}_weight": "mine" for i in range(60)}
+    bound = thing.ingest_all(namespace=namespace)
+    assert len(bound) == 60 and namespace["layer119_weight"] == 119.0
+    shown = repr(bound)
+    assert "and 10 more (the dict ingest_all returns has them)" in shown
+    assert shown.count("layer") == 2 * 2 * 50 and len(shown.splitlines()) < 60  # two lists
+
+
 def test_ingest_all_never_shadows_builtins_dunders_or_modules(default: thing.Server) -> None:
     names = ("print", "len", "open", "sum", "exec", "__builtins__", "thing", "mine", "fine")
     send(default.port, f"""

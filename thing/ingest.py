@@ -31,6 +31,17 @@ from .errors import ProtocolError, UnknownName
 from .names import identifier_for
 from .store import HistoryStore
 
+# Entries a report lists of each kind: among 20,000 names, all of them made 20,000 lines.
+MAX_LISTED = 50
+
+
+def _listed(entries: list[str]) -> str:
+    """The first MAX_LISTED entries, and how many more (the returned dict holds them all)."""
+    shown = ", ".join(entries[:MAX_LISTED])
+    more = len(entries) - MAX_LISTED
+    return shown + (f", and {more} more (the dict ingest_all returns has them)" if more > 0
+                    else "")
+
 
 class Ingested(dict):
     """``{variable: capture name}`` of what was bound; shows itself as the report."""
@@ -87,13 +98,13 @@ def ingest_all(store: HistoryStore, overwrite: bool = False,
         namespace[ident] = value
         claimed[ident] = bound[ident] = name
         _remember(namespace, ident, value)
-    pairs = [("bound", ", ".join(ident if ident == name else f"{ident} ({name!r})"
-                                 for ident, name in bound.items()) or "-")]
+    pairs = [("bound", _listed([ident if ident == name else f"{ident} ({name!r})"
+                                for ident, name in bound.items()]) or "-")]
     if kept:
-        pairs.append(("kept", f"{', '.join(kept)}: existing variables; "
+        pairs.append(("kept", f"{_listed(kept)}: existing variables; "
                               "ingest_all(overwrite=True) replaces them"))
     if refused:
-        pairs.append(("skipped", f"{', '.join(refused)}; use thing.get(name)"))
+        pairs.append(("skipped", f"{_listed(refused)}; use thing.get(name)"))
     noun = "variable" if len(bound) == 1 else "variables"
     return Ingested(bound, Report(Fields(f"ingest_all: {len(bound)} {noun}", pairs)))
 
