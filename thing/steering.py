@@ -60,14 +60,14 @@ class Steering:
         with self._lock:
             self._connections.add(connection)
             told = self._told.get(_job(connection))
-            statements = self._table.statements()
-            replayed = [s for s in statements if told is None or s.order < told]
-            messages = [wire.encode_control("forget", None, None)] + [
-                wire.encode_control(s.operation, s.name, s.rank, s.value) for s in replayed]
+            statements = self._table.statements()  # oldest first: what it heard, then not
+            heard = sum(told is None or s.order < told for s in statements)
+            said = [wire.encode_control(s.operation, s.name, s.rank, s.value)
+                    for s in statements]
+            messages = [wire.encode_control("forget", None, None), *said[:heard]]
             if connection.awaits_replay:
                 messages.append(wire.encode_control("replayed", None, None))
-            messages += [wire.encode_control(s.operation, s.name, s.rank, s.value)
-                         for s in statements[len(replayed):]]
+            messages += said[heard:]
             for message in messages:
                 if not self._send(connection, message):
                     return
