@@ -280,6 +280,7 @@ def _stats_pairs(stats: ArrayStats | None) -> list[tuple[str, str]]:
 def _leaf_table(capture: Capture) -> Table:
     headers = ["path", "shape", "dtype", "min", "max", "mean", "std", "L2", "NaN", "Inf"]
     rows = []
+    magnitudes = False  # a complex array's row: statistics of |x|
     for (path, leaf), spec in zip(_leaf_paths(capture.value), capture.leaves):
         stats = None if spec.framework == "bytes" else array_stats(leaf, spec)
         shape = f"{spec.shape[0]} bytes" if spec.framework == "bytes" else shape_text(spec.shape)
@@ -288,8 +289,9 @@ def _leaf_table(capture: Capture) -> Table:
         ) or (None,) * 5]
         counts = ["", ""] if stats is None else [str(stats.nan), str(stats.inf)]
         dtype = "-" if spec.framework == "bytes" else spec.dtype
-        if stats is not None and stats.magnitude:  # the dtype column may be dropped
+        if stats is not None and stats.magnitude:  # said on the path: dtype may be dropped
             path += " |x|"
+            magnitudes = True
         rows.append([path, shape, dtype, *numbers, *counts])
     # NaN and Inf columns of zeros say nothing; one that says something always stays.
     unused = {header for i, header in enumerate(headers)
@@ -298,7 +300,7 @@ def _leaf_table(capture: Capture) -> Table:
     columns = [Column(headers[i], 10, "middle") if headers[i] == "path" else Column(headers[i])
                for i in keep]
     notes = ["statistics over finite values; std with ddof=0"]
-    if any(row[0].endswith(" |x|") for row in rows):
+    if magnitudes:
         notes.append("|x|: of a complex array's magnitudes")
     if unused:
         notes[0] += f"; no {' or '.join(sorted(unused))} values"

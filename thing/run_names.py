@@ -1,8 +1,8 @@
 """Which training job a process belongs to: its run, named once per job and inherited.
 
 A run is named by, in order: ``THING_RUN`` (the user's name for it), torchrun's
-``TORCHELASTIC_RUN_ID`` (shared by the ranks of one launch; each restart of its
-workers a run of its own), or
+``TORCHELASTIC_RUN_ID`` (shared by the ranks of one launch; on one node, each
+restart of its workers a run of its own), or
 ``THING_RUN_ID``, which a job sets in its environment when it names a new run
 (and a rank of a torchrun launch with the default rendezvous id "none" when it
 names its launch after its master's address and its agent, the ranks' parent):
