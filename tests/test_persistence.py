@@ -388,6 +388,25 @@ def test_a_capture_already_here_is_not_loaded_twice(tmp_path: Path, caplog) -> N
     assert len(fresh) == 5
 
 
+def test_a_capture_that_arrives_while_a_load_checks_is_not_added_twice(tmp_path: Path) -> None:
+    """load() looks for captures here already outside the store's lock (a long history takes
+    a while); one that arrives meanwhile, the same as one loaded, is looked for too."""
+    sender = Sender("job:1", "host", 7)
+    recorded = HistoryStore()
+    recorded.add("loss", 1.5, (), 0, sender, call=1, received_at=100.0)
+    recorded.save(tmp_path / "rec")
+
+    class Arriving(HistoryStore):
+        def _captures_named(self, name):
+            here = list(super()._captures_named(name))
+            self.add("loss", 1.5, (), 0, sender, call=1, received_at=100.0)  # as it is looked at
+            return here
+
+    store = Arriving()
+    assert store.load(tmp_path / "rec") == 0
+    assert [c.value for c in store.get_all("loss")] == [1.5]
+
+
 def test_save_writes_what_is_kept_at_one_moment_while_captures_arrive(tmp_path: Path) -> None:
     """A capture stored while save() looks at the store (a job streams on) neither pushes
     the oldest kept ones out of the file nor is half in it: save() took the count, then

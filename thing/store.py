@@ -7,6 +7,12 @@ never fit is refused before anything is allocated; the REPL never sees it.
 
 Values are stored exactly as received: the arrays the server received into
 are the arrays :meth:`HistoryStore.get` hands out, never copies.
+
+The REPL asks while captures arrive, and nothing is stored while the store's
+lock is held: what it asks most (a name's newest, summary()'s rows, a status()
+frame, runs()) is answered from each name's history split by who sent it,
+without walking hours of history; a walk that must be made (``step=``,
+get_all) is made on a copy, outside the lock.
 """
 
 from __future__ import annotations
@@ -34,9 +40,11 @@ from .names import identifier_for
 from .wire import ReceivedValue, build_value
 
 # What one capture's record costs beyond its array bytes: the Capture object, its
-# Sender, its LeafSpecs and dictionary entries. Charged so that a flood of tiny
+# Sender, its LeafSpecs and dictionary entries (400-630 bytes measured), and the statistics
+# the background worker works out and keeps on it (320-370: history_stats.py; charged from
+# the start, as the worker reaches every capture). Charged so that a flood of tiny
 # captures (scalars travel in the header, with no payload) is bounded too.
-RECORD_BYTES = 512
+RECORD_BYTES = 1024
 # What a name costs while it has a capture, beyond its captures' records: its history's
 # deque, its entries by identifier and by update (about 940 bytes, measured). Charged so
 # that a job that never repeats a name (f"step{i}/loss") is held to the cap too.
@@ -149,9 +157,15 @@ class HistoryStore:
         # (get(wait=...), flush) sleep on. Taking the lock itself costs less than the condition.
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
+        self._restoring = threading.Lock()  # held by restore(), which takes _lock twice
         self._sleepers = 0  # threads in _sleep: an arrival wakes them, and only if there are
         self._by_id: OrderedDict[int, Capture] = OrderedDict()  # oldest first
         self._by_name: dict[str, deque[Capture]] = {}  # each oldest first
+        # Each name's history again, split by who sent it ((run, rank), unnamed captures under
+        # None), each oldest first: a source's newest and its count for summary(), get()'s
+        # n-th newest, runs(), without walking hours of history under the lock.
+        self._by_source: dict[str | None, dict[tuple[str | None, int | None],
+                                                deque[Capture]]] = {}
         # hash(identifier_for(name)) -> the kept names, so that get("h_3") finds h[3]. Keyed
         # by the hash: a copy of every (possibly long) name would be memory nobody charges.
         self._by_identifier: dict[int, set[str]] = {}
@@ -361,32 +375,94 @@ class HistoryStore:
         not added again: it would count twice in every history and statistic.
         Listeners (a recorder) are not told: these captures are on disk already.
         """
-        with self._lock:
-            here = {_arrival_of(capture) for capture in self._by_id.values()}
+        with self._restoring:  # one at a time: each checks against what the last added
+            names = {capture.name for capture in captures}
+            with self._lock:
+                mark = self._next_id
+                kept = [list(self._captures_named(name)) for name in names]
+            # The check for captures here already walks the loaded names' whole histories:
+            # outside the lock, so that captures go on being stored meanwhile, and looking
+            # only at their times first (a float's hash, not a Sender's).
+            times = {capture.received_at for capture in captures}
+            here = {_arrival_of(capture) for history in kept for capture in history
+                    if capture.received_at in times}
             fresh = []
-            for capture, charge in zip(captures, charges):
+            for capture, charge in sorted(zip(captures, charges),
+                                          key=lambda pair: _arrival(pair[0])):
                 arrival = _arrival_of(capture)
                 if arrival not in here:  # nor twice in the recording (a hostile one)
                     here.add(arrival)
                     fresh.append((capture, charge))
-            captures = [capture for capture, _ in fresh]
-            for capture, charge in fresh:
-                capture.id = self._next_id
-                self._insert(capture, charge)
-            # Sorting what is mostly sorted already (a recording, then live captures) is cheap.
-            self._by_id = OrderedDict(
-                (capture.id, capture) for capture in sorted(self._by_id.values(), key=_arrival))
-            names = {capture.name for capture in captures if capture.name is not None}
-            for name in names:
-                self._by_name[name] = deque(sorted(self._by_name[name], key=_arrival))
-            self._updated = OrderedDict.fromkeys(
-                sorted(self._by_name, key=lambda name: _arrival(self._by_name[name][-1])))
-            for name in names:
-                self._trim(self._by_name[name])
-            self._make_room()
-            if self._sleepers:
-                self._changed.notify_all()
-        return len(captures)
+            with self._lock:
+                since = {_arrival_of(capture) for capture in self._arrived_since(mark)}
+                fresh = [(capture, charge) for capture, charge in fresh
+                         if _arrival_of(capture) not in since]
+                self._add_restored(fresh)
+        return len(fresh)
+
+    def _add_restored(self, fresh: list[tuple[Capture, int]]) -> None:
+        """Insert captures (in order of arrival) into every history where they belong."""
+        for capture, charge in fresh:
+            capture.id = self._next_id
+            self._insert(capture, charge)
+        captures = [capture for capture, _ in fresh]
+        _settle_ids(self._by_id, len(captures))
+        named: dict[str | None, int] = {}
+        sources: dict[tuple[str | None, tuple[str | None, int | None]], int] = {}
+        for capture in captures:
+            named[capture.name] = named.get(capture.name, 0) + 1
+            source = (capture.name, _source_of(capture))
+            sources[source] = sources.get(source, 0) + 1
+        for (name, key), added in sources.items():
+            _settle(self._by_source[name][key], added)
+        names = [name for name in named if name is not None]
+        for name in names:
+            _settle(self._by_name[name], named[name])
+        self._settle_updated(names)
+        for name in names:
+            self._trim(self._by_name[name])
+        self._make_room()
+        if self._sleepers:
+            self._changed.notify_all()
+
+    def _captures_named(self, name: str | None) -> Iterable[Capture]:
+        """The kept captures of ``name`` (None: the unnamed ones), in no particular order."""
+        if name is not None:
+            return self._by_name.get(name, ())
+        return (capture for source in self._by_source.get(None, {}).values()
+                for capture in source)
+
+    def _arrived_since(self, mark: int) -> list[Capture]:
+        """The captures stored with an id from ``mark`` on: the newest, at the end of the
+        history (a restore, which could put any elsewhere, holds ``_restoring``)."""
+        since = []
+        for capture in reversed(self._by_id.values()):
+            if capture.id < mark:
+                break
+            since.append(capture)
+        return since
+
+    def _settle_updated(self, names: list[str]) -> None:
+        """Put ``names``, whose newest captures may have changed, where they belong in the
+        order of the names' updates (each name's newest capture's arrival)."""
+        updated = self._updated
+
+        def newest(name: str) -> tuple[float, int]:
+            return _order(self._by_name[name][-1])
+
+        moved = sorted(names, key=newest)
+        if not moved:
+            return
+        for name in moved:
+            del updated[name]
+        if not updated or newest(moved[0]) >= newest(next(reversed(updated))):
+            updated.update(dict.fromkeys(moved))
+        elif newest(moved[-1]) <= newest(next(iter(updated))):
+            for name in reversed(moved):
+                updated[name] = None
+                updated.move_to_end(name, last=False)
+        else:
+            self._updated = OrderedDict.fromkeys(sorted([*updated, *moved], key=newest))
 
     def listen(self, listener: Callable[[Capture], None]) -> None:
         """Call ``listener(capture)`` for every capture stored from now on, on the thread that
@@ -412,17 +488,24 @@ class HistoryStore:
         if not capture.consistent:
             self._flagged += 1
         name = capture.name
+        sender = capture.sender
+        key = (sender.run, sender.rank)  # _source_of, inline: this runs for every capture
+        try:
+            self._by_source[name][key].append(capture)
+        except KeyError:
+            self._by_source.setdefault(name, {})[key] = deque((capture,))
         if name is None:
             self._unnamed += 1
             return
         history = self._by_name.get(name)
         if history is None:
-            history = self._by_name[name] = deque()
+            self._by_name[name] = deque((capture,))
             self._by_identifier.setdefault(hash(identifier_for(name)), set()).add(name)
             self._held += NAME_BYTES
-        history.append(capture)
-        self._updated.pop(name, None)
-        self._updated[name] = None
+            self._updated[name] = None
+        else:
+            history.append(capture)
+            self._updated.move_to_end(name)
 
     def _trim(self, history: deque[Capture]) -> None:
         """Keep at most ``max_versions`` of one name, evicting its oldest."""
@@ -442,14 +525,18 @@ class HistoryStore:
         self._held -= self._charged.pop(capture.id)
         if not capture.consistent:
             self._flagged -= 1
+        sources = self._by_source[capture.name]
+        source = sources[_source_of(capture)]
+        _forget(source, capture)
+        if not source:
+            del sources[_source_of(capture)]
+            if not sources:
+                del self._by_source[capture.name]
         if capture.name is None:
             self._unnamed -= 1
             return
         history = self._by_name[capture.name]
-        if history[0] is capture:  # eviction takes the oldest: O(1)
-            history.popleft()
-        else:
-            history.remove(capture)
+        _forget(history, capture)
         if not history:
             self._held -= NAME_BYTES
             del self._by_name[capture.name]
@@ -483,21 +570,19 @@ class HistoryStore:
                     raise UnknownName(f"no capture with id {key} (evicted, cleared or never "
                                       "received)")
                 return self._by_id[int(key)]
-            history = self._history(key, rank, run)
-            if step is not None:
-                return _at_step(key, history, step)
-            if not -len(history) <= index < len(history):
-                raise VersionOutOfRange(
-                    f"{key!r} has {len(history)} kept versions; index {index} is out of range"
-                )
-            return history[-1 - index] if index >= 0 else history[-index - 1]
+            chosen = self._select(key, rank, run)
+            if step is None and chosen.wanted is None:
+                return chosen.at(index)  # a deque's own index: no walk
+            chosen = chosen.copied()  # walked outside the lock: captures go on being stored
+        return _at_step(chosen, step) if step is not None else chosen.at(index)
 
     def get_all(self, name: str, rank: int | None = None, run: str | None = None
                 ) -> list[Capture]:
         """Every kept capture of ``name`` from ``run`` (default: the run that sent the newest,
         from ``rank`` if given; ``"all"``: every run), oldest to newest."""
         with self._lock:
-            return self._history(name, rank, run)
+            chosen = self._select(name, rank, run).copied()
+        return list(chosen.oldest_first())
 
     def recent_of(self, name: str, count: int) -> list[Capture]:
         """Up to the ``count`` newest captures of ``name`` from the run and rank of its newest,
@@ -506,46 +591,57 @@ class HistoryStore:
             history = self._by_name.get(name)
             if not history:
                 return []
-            newest = history[-1]
-            found = [capture for capture in islice(
-                (c for c in reversed(history)
-                 if c.sender.run == newest.sender.run and c.rank == newest.rank), count)]
+            source = self._by_source[name][_source_of(history[-1])]
+            found = list(islice(reversed(source), max(count, 0)))
         return found[::-1]
 
     def runs(self) -> list[Run]:
         """The runs (training jobs) with a kept capture, the one that started first first."""
-        found: dict[str | None, list[Capture]] = {}
+        found: dict[str | None, list[tuple[str | None, int | None, deque[Capture]]]] = {}
         with self._lock:
-            for capture in self._by_id.values():
-                found.setdefault(capture.sender.run, []).append(capture)
-        runs = [Run(run, min(c.received_at for c in captures),
-                    max(c.received_at for c in captures), len(captures),
-                    tuple(sorted({c.rank for c in captures if c.rank is not None})),
-                    tuple(dict.fromkeys(c.name for c in captures if c.name is not None)))
-                for run, captures in found.items()]
+            for name, sources in self._by_source.items():
+                for (run, rank), source in sources.items():
+                    found.setdefault(run, []).append((name, rank, source))
+            runs = [Run(run, min(_arrival(source[0]) for _, _, source in parts),
+                        max(_arrival(source[-1]) for _, _, source in parts),
+                        sum(len(source) for _, _, source in parts),
+                        tuple(sorted({rank for _, rank, _ in parts if rank is not None})),
+                        tuple(dict.fromkeys(  # in order of their first arrival
+                            name for name, _, _ in sorted(
+                                parts, key=lambda part: _order(part[2][0]))
+                            if name is not None)))
+                    for run, parts in found.items()]
         return sorted(runs, key=lambda run: run.start)
 
-    def _history(self, name: str, rank: int | None, run: str | None = None) -> list[Capture]:
+    def _select(self, name: str, rank: int | None, run: str | None = None) -> _Selection:
+        """The captures of ``name`` from ``run`` (default: the run that sent the newest; "all":
+        every run) and ``rank`` (default: every rank): one source's own history when that is
+        what was asked for, so that the n-th newest is found without walking the others."""
         if rank is not None:
             _whole_number("rank", rank)
         name = self._resolve(name)
-        history = list(self._by_name[name])
-        if rank is not None:
-            history = [capture for capture in history if capture.rank == rank]
-            if not history:
-                ranks = sorted({c.rank for c in self._by_name[name]}, key=lambda r: (r is None, r))
-                raise UnknownName(f"no capture named {name!r} from rank {rank}; it came from "
-                                  f"rank(s) {', '.join(map(str, ranks))}")
-        if run != ALL_RUNS:
-            # By default, the run that sent the newest: a restarted job is a new history.
-            wanted = history[-1].sender.run if run is None else run
-            kept = [capture for capture in history if capture.sender.run == wanted]
-            if not kept:
-                runs = dict.fromkeys(c.sender.run for c in history)
-                raise UnknownName(f"no capture named {name!r} from run {run!r}; it came from "
-                                  f"run(s) {', '.join(map(repr, runs))} (run='all': every one)")
-            history = kept
-        return history
+        history, sources = self._by_name[name], self._by_source[name]
+        ranked = [key for key in sources if rank is None or key[1] == rank]
+        if not ranked:
+            ranks = sorted({key[1] for key in sources}, key=lambda r: (r is None, r))
+            raise UnknownName(f"no capture named {name!r} from rank {rank}; it came from "
+                              f"rank(s) {', '.join(map(str, ranks))}")
+        if run is None:  # a restarted job is a new history
+            run = (history[-1] if rank is None
+                   else max((sources[key][-1] for key in ranked), key=_order)).sender.run
+        chosen = [key for key in ranked if run == ALL_RUNS or key[0] == run]
+        if not chosen:
+            runs = dict.fromkeys(key[0] for key in sorted(
+                ranked, key=lambda key: _order(sources[key][0])))
+            raise UnknownName(f"no capture named {name!r} from run {run!r}; it came from "
+                              f"run(s) {', '.join(map(repr, runs))} (run='all': every one)")
+        count = sum(len(sources[key]) for key in chosen)
+        if len(chosen) == 1:
+            return _Selection(name, sources[chosen[0]], None, count)
+        if len(chosen) == len(sources):
+            return _Selection(name, history, None, count)
+        wanted = set(chosen)
+        return _Selection(name, history, lambda capture: _source_of(capture) in wanted, count)
 
     def _resolve(self, name: str) -> str:
         """``name`` itself, or the one kept name whose identifier it is (``h_3`` for ``h[3]``)."""
@@ -606,7 +702,8 @@ class HistoryStore:
         """The newest capture of every name, plus unnamed ones, oldest first."""
         with self._lock:
             named = [history[-1] for history in self._by_name.values()]
-            unnamed = [capture for capture in self._by_id.values() if capture.name is None]
+            unnamed = [capture for source in self._by_source.get(None, {}).values()
+                       for capture in source]
             return sorted(named + unnamed, key=_arrival)
 
     def recent(self, count: int) -> list[Capture]:
@@ -631,7 +728,7 @@ class HistoryStore:
             recent = reversed(self._updated)
             if max_names is not None:
                 recent = islice(recent, max(max_names, 0))
-            names = [row for name in recent for row in _newest_per_rank(self._by_name[name])]
+            names = [row for name in recent for row in _newest_per_source(self._by_source[name])]
             return StoreOverview(
                 names=names, name_count=len(self._by_name), captures=len(self._by_id),
                 unnamed=self._unnamed,
@@ -773,12 +870,13 @@ class _NameSuggestions:
         return f"no capture named {name!r}; known names: {shown}"
 
 
-def _at_step(name: str, history: list[Capture], step: int) -> Capture:
-    """The newest capture of ``history`` at ``step``; UnknownName saying which steps it has."""
-    for capture in reversed(history):
+def _at_step(chosen: _Selection, step: int) -> Capture:
+    """The newest capture ``chosen`` at ``step``; UnknownName saying which steps it has."""
+    for capture in chosen.newest_first():
         if capture.step == step:
             return capture
-    steps = sorted({c.step for c in history if c.step is not None})
+    name = chosen.name
+    steps = sorted({c.step for c in chosen.oldest_first() if c.step is not None})
     if not steps:
         raise UnknownName(f"no capture of {name!r} has a step (its sender is older than "
                           "thing's step numbers)")
@@ -813,18 +911,100 @@ def _names(known: str | None, name: str) -> bool:
     return known is not None and identifier_for(known) == name
 
 
-def _newest_per_rank(history: deque[Capture]) -> list[tuple[Capture, int]]:
+def _newest_per_source(sources: dict[tuple[str | None, int | None], deque[Capture]]
+                       ) -> list[tuple[Capture, int]]:
     """``(newest capture, versions kept)`` of each run and rank that sent a name: the newest
     run first, its ranks in order."""
-    newest: dict[tuple[str | None, int | None], Capture] = {}
-    counts: dict[tuple[str | None, int | None], int] = {}
-    for capture in reversed(history):
-        key = (capture.sender.run, capture.rank)
-        newest.setdefault(key, capture)
-        counts[key] = counts.get(key, 0) + 1
-    runs = list(dict.fromkeys(run for run, _ in newest))  # newest first
-    keys = sorted(newest, key=lambda key: (runs.index(key[0]), key[1] is None, key[1] or 0))
-    return [(newest[key], counts[key]) for key in keys]
+    newest_of_run: dict[str | None, tuple[float, int]] = {}
+    for (run, _), source in sources.items():
+        newest_of_run[run] = max(newest_of_run.get(run, _order(source[-1])), _order(source[-1]))
+    keys = sorted(sources, key=lambda key: (key[1] is None, key[1] or 0))
+    keys.sort(key=lambda key: newest_of_run[key[0]], reverse=True)  # stable: ranks stay in order
+    return [(sources[key][-1], len(sources[key])) for key in keys]
+
+
+@dataclass
+class _Selection:
+    """Some of a name's captures: ``history`` itself, or those of it ``wanted`` keeps."""
+
+    name: str
+    history: deque[Capture] | list[Capture]
+    wanted: Callable[[Capture], bool] | None
+    count: int
+
+    def copied(self) -> _Selection:
+        """The same captures, the history copied (a copy is one C call: it may be walked
+        once the store's lock is let go)."""
+        return dataclasses.replace(self, history=list(self.history))
+
+    def newest_first(self) -> Iterable[Capture]:
+        captures = reversed(self.history)
+        return captures if self.wanted is None else filter(self.wanted, captures)
+
+    def oldest_first(self) -> Iterable[Capture]:
+        captures = iter(self.history)
+        return captures if self.wanted is None else filter(self.wanted, captures)
+
+    def at(self, index: int) -> Capture:
+        """The ``index``-th newest (negative: counted from the oldest, -1 the oldest)."""
+        if not -self.count <= index < self.count:
+            raise VersionOutOfRange(f"{self.name!r} has {self.count} kept versions; "
+                                    f"index {index} is out of range")
+        if self.wanted is None:
+            return self.history[-1 - index if index >= 0 else -index - 1]
+        captures = self.newest_first() if index >= 0 else self.oldest_first()
+        return next(islice(captures, index if index >= 0 else -index - 1, None))
+
+
+def _source_of(capture: Capture) -> tuple[str | None, int | None]:
+    """Who sent a capture, as the store splits a name's history: its run and rank."""
+    return capture.sender.run, capture.sender.rank
+
+
+def _order(capture: Capture) -> tuple[float, int]:
+    """Where a capture stands in the history: when it arrived (ids break ties)."""
+    return capture.received_at, capture.id
+
+
+def _settle(captures: deque[Capture], added: int) -> None:
+    """Put the ``added`` captures just appended to ``captures`` (in order among themselves)
+    where they belong: at the end, at the start, or (rarely) among the others."""
+    if not added or added == len(captures):
+        return
+    if _order(captures[-added - 1]) <= _order(captures[-added]):
+        return
+    if _order(captures[-1]) <= _order(captures[0]):
+        captures.rotate(added)  # a recording older than all that is here: at the start
+        return
+    ordered = sorted(captures, key=_order)
+    captures.clear()
+    captures.extend(ordered)
+
+
+def _settle_ids(by_id: OrderedDict[int, Capture], added: int) -> None:
+    """:func:`_settle` for the store's captures by id, in order of arrival."""
+    if not added or added == len(by_id):
+        return
+    captures = reversed(by_id.values())
+    appended = [next(captures) for _ in range(added)]  # newest first
+    before = next(captures)
+    if _order(before) <= _order(appended[-1]):
+        return
+    if _order(appended[0]) <= _order(next(iter(by_id.values()))):
+        for capture in appended:
+            by_id.move_to_end(capture.id, last=False)
+        return
+    ordered = sorted(by_id.values(), key=_order)
+    by_id.clear()
+    by_id.update((capture.id, capture) for capture in ordered)
+
+
+def _forget(captures: deque[Capture], capture: Capture) -> None:
+    """Take ``capture`` out of ``captures``: eviction takes the oldest, in O(1)."""
+    if captures[0] is capture:
+        captures.popleft()
+    else:
+        captures.remove(capture)
 
 
 def _whole_number(what: str, value: Any) -> None:
