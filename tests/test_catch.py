@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ import pytest
 import thing
 import thing.arrays
 import thing.channel
+import thing.history_stats
+import thing.reports
 from thing import wire
 from thing._core import recv_buffers, send_buffers
 from thing.channel import BATCH, SMALL_BYTES
@@ -792,3 +796,32 @@ def test_a_signal_handler_may_wait_on_a_handle_while_the_main_thread_waits_on_an
         assert (outer.id, inner.id) == (1, 2)
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_framework_another_thread_is_importing_changes_nothing(server: thing.Server) -> None:
+    """While another thread imports torch (or jax), it sits in sys.modules half made, its
+    types not defined yet: a float, a list or a numpy array caught meanwhile is still
+    sent and stored (they were "not sent: partially initialized module 'torch' has no
+    attribute 'Tensor'"), and the REPL's statistics of what arrived still work."""
+    run_script("""
+        import sys, types
+        import numpy as np
+        import thing
+        for module in ("torch", "jax"):  # as an import in another thread leaves them, partway
+            sys.modules[module] = types.ModuleType(module)
+        handles = [thing.catch(0.5, name="f"), thing.catch([1, 2.0], name="l"),
+                   thing.catch(np.arange(3.0), name="a"), thing.catch(np.float32(2), name="s")]
+        assert all(h.wait(10) for h in handles), [h.error for h in handles]
+    """, server.port)
+    assert [server.store.get(name).value for name in "fl"] == [0.5, [1, 2.0]]
+    assert server.store.get("a").value.tolist() == [0.0, 1.0, 2.0]
+    half = sys.modules.get("torch")
+    sys.modules["torch"] = types.ModuleType("torch")
+    try:
+        assert thing.history_stats.capture_stats(server.store.get("a")).values.max == 2.0
+        assert "float64" in str(thing.reports.describe(server.store, "a"))
+    finally:
+        if half is None:
+            del sys.modules["torch"]
+        else:
+            sys.modules["torch"] = half

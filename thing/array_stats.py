@@ -9,13 +9,12 @@ bfloat16 kept as raw bits where no library can read it.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .arrays import LeafSpec, is_array
+from .arrays import LeafSpec, is_array, loaded_type
 
 # Elements converted to float64 at a time.
 STATS_CHUNK = 1 << 20
@@ -246,8 +245,8 @@ def as_float64(array: np.ndarray, spec: LeafSpec) -> np.ndarray | None:
 
 def _flat_numpy_source(value: Any) -> Any:
     """A flat (1-D) numpy array or CPU torch tensor over the value's elements, without copying."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
+    tensor_type = loaded_type("torch", "Tensor")
+    if tensor_type is not None and isinstance(value, tensor_type):
         tensor = value.detach()
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()

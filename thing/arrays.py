@@ -109,10 +109,18 @@ def is_array(obj: Any) -> bool:
         return False
     if isinstance(obj, (np.ndarray, np.generic, bytes, bytearray, memoryview)):
         return True
-    torch, jax = sys.modules.get("torch"), sys.modules.get("jax")
-    return (torch is not None and isinstance(obj, torch.Tensor)) or (
-        jax is not None and isinstance(obj, jax.Array)
+    tensor, jax_array = loaded_type("torch", "Tensor"), loaded_type("jax", "Array")
+    return (tensor is not None and isinstance(obj, tensor)) or (
+        jax_array is not None and isinstance(obj, jax_array)
     )
+
+
+def loaded_type(module: str, name: str) -> Any:
+    """The type ``module.name`` if someone imported ``module`` (thing imports no framework
+    to look), else None. Another thread may be importing it: it is then in sys.modules
+    half made, perhaps without that type yet, and nothing is an instance of a type that
+    does not exist yet."""
+    return getattr(sys.modules.get(module), name, None)
 
 
 def describe_leaf(obj: Any) -> Leaf | None:
@@ -125,9 +133,9 @@ def describe_leaf(obj: Any) -> Leaf | None:
     """
     if type(obj) is np.ndarray:
         return _numpy_leaf(obj)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
-        if obj.layout is not torch.strided:  # a sparse tensor travels as its dense parts
+    tensor = loaded_type("torch", "Tensor")
+    if tensor is not None and isinstance(obj, tensor):
+        if obj.layout is not sys.modules["torch"].strided:  # sparse: travels as dense parts
             return None
         spec = _new_spec(LeafSpec, ("torch", _wire_name(obj.dtype), tuple(obj.shape), False))
         return Leaf(spec, obj, obj.nbytes)
@@ -144,8 +152,8 @@ def describe_leaf(obj: Any) -> Leaf | None:
     if isinstance(obj, (bytes, bytearray, memoryview)):  # np.bytes_ too: it is a bytes
         view = memoryview(obj).cast("B")
         return Leaf(LeafSpec("bytes", "uint8", (view.nbytes,)), view, view.nbytes)
-    jax = sys.modules.get("jax")
-    if jax is not None and isinstance(obj, jax.Array):
+    jax_array = loaded_type("jax", "Array")
+    if jax_array is not None and isinstance(obj, jax_array):
         spec = LeafSpec("jax", _wire_name(np.dtype(obj.dtype)), tuple(obj.shape))
         return Leaf(spec, obj, obj.nbytes)
     return None
@@ -153,8 +161,8 @@ def describe_leaf(obj: Any) -> Leaf | None:
 
 def is_torch_size(obj: Any) -> bool:
     """True for a ``torch.Size`` (a tuple subclass, which must not travel as a plain tuple)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Size)
+    size = loaded_type("torch", "Size")
+    return size is not None and isinstance(obj, size)
 
 
 def structured_fields(obj: Any) -> list[tuple[str, Any]] | None:
@@ -198,8 +206,8 @@ def sparse_parts(obj: Any) -> SparseParts | None:
     duplicates included, so an uncoalesced tensor arrives as it was sent.
     Raises :class:`UnsupportedType` for the layouts that cannot travel (mkldnn).
     """
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(obj, torch.Tensor):
+    tensor = loaded_type("torch", "Tensor")
+    if tensor is None or not isinstance(obj, tensor):
         return None
     layout = str(obj.layout).rpartition(".")[2]
     if layout not in SPARSE_LAYOUTS:

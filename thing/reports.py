@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .array_stats import ArrayStats, array_stats, as_float64
-from .arrays import is_array, sparse_parts
+from .arrays import is_array, loaded_type, sparse_parts
 from .captures import Capture, Sender
 from .display import Column, Entries, Fields, Report, Table
 from .errors import ProtocolError, UnknownName
@@ -433,8 +433,9 @@ def row_kind(capture: Capture) -> tuple[str, str, str, str]:
 
 
 def _is_sparse(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor) and value.layout != torch.strided
+    tensor = loaded_type("torch", "Tensor")
+    return (tensor is not None and isinstance(value, tensor)
+            and value.layout != sys.modules["torch"].strided)
 
 
 def _several(items: Any, most: int = 2) -> str:
