@@ -825,3 +825,42 @@ def test_a_framework_another_thread_is_importing_changes_nothing(server: thing.S
             del sys.modules["torch"]
         else:
             sys.modules["torch"] = half
+
+
+def test_a_client_dropped_without_close_delivers_what_it_queued_then_ends(
+        server: thing.Server) -> None:
+    """`thing.Client(...).catch(x)` in one line, the client collected at once: the capture
+    is still delivered (in a loop of them, and at the process's end), and each such
+    client's sender thread and socket end once it is delivered; a closed client whose
+    handle is kept is collected (its handle held it, through the sender).
+
+    Not asserted: the thread ends within a second or two of the collection (within
+    IDLE_RECHECK_SECONDS where the collector ran inside thing's own work)."""
+    result = run_script(f"""
+        import gc, threading, time, weakref
+        import numpy as np
+        import thing
+        before = threading.active_count()
+        handles = [thing.Client("127.0.0.1", {server.port}).catch(np.full(4, k), name="one")
+                   for k in range(20)]
+        assert all(h.wait(10) for h in handles), [h.error for h in handles]
+        gc.collect()  # a client is collected by the cyclic collector (its gate holds it)
+        deadline = time.monotonic() + 10
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert threading.active_count() == before, threading.enumerate()
+
+        closed = thing.Client("127.0.0.1", {server.port})
+        kept = closed.catch(1.0, name="kept")
+        assert kept.wait(10)
+        closed.close()
+        gone = weakref.ref(closed)
+        del closed
+        gc.collect()
+        assert gone() is None, gc.get_referrers(gone())
+        thing.Client("127.0.0.1", {server.port}).catch(np.arange(3.0), name="at_exit")
+    """, full=True)
+    assert result.stderr == "", result.stderr
+    assert sorted(c.value.tolist() for c in server.store.get_all("one", run="all")) == [
+        [k] * 4 for k in range(20)]  # twenty connections: in whatever order they came
+    assert server.store.get("at_exit").value.tolist() == [0.0, 1.0, 2.0]

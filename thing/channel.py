@@ -41,7 +41,7 @@ from .arrays import leaf_bytes, torn
 from .dial import TRANSPORT_NAMES, dial
 from .errors import ProtocolError
 from .frames import Finished, Headers, Pending, Undelivered, new_pending
-from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle, busy, working
+from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle, busy, interrupting, working
 from .log import log
 from .names import CallSite
 from .overrides import Overrides
@@ -54,6 +54,10 @@ from .sockets import is_this_host, shutdown
 # were snapshotted at the call, so the wait cannot change what they hold.
 SMALL_BYTES = 64 << 10
 TICK_SECONDS = 0.05
+# An idle sender still wakes this often: a client collected by a finalizer that interrupted
+# thing's own work (see finish) cannot wake it, and a client is always collected by the
+# cyclic collector, wherever that runs (its gate holds its catch, which holds it).
+IDLE_RECHECK_SECONDS = 10.0
 BATCH = 64
 # Captures up to this size are snapshotted before they take room in the queue (see
 # Channel._enqueue).
@@ -137,6 +141,7 @@ class Channel:
         self._hurry = self.hurry  # every handle's, bound once (not one more object a catch)
         self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
         self._closed = False
+        self._finishing = False  # its client is gone: deliver what is queued, then end
         self._warned: set[str] = set()
         self._warned_at: dict[str, float] = {}  # monotonic, by key (see _log_rarely)
         # Until the first attempt to connect has failed, captures wait for it. While down,
@@ -324,6 +329,24 @@ class Channel:
                 self._sock.close()
         self._close_wake()
 
+    def finish(self) -> None:
+        """Deliver what is queued and read its answers, then end: the client is gone, so
+        nothing more will be queued. From a finalizer that interrupted thing's own work on
+        this thread, which may hold the lock, the sender finds out at its next wake-up
+        (within IDLE_RECHECK_SECONDS; at the process's end, see client._deliver_and_close)."""
+        self._finishing = True
+        if interrupting():
+            return
+        with self._mutex:
+            self._send_now = self._send_now or bool(self._queue)
+            self._acks_wanted = True
+            self._signal()
+
+    def finished(self, timeout: float) -> bool:
+        """After :meth:`finish`: wait up to ``timeout`` seconds for the sender to end."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def stop(self) -> None:
         """Stop sending, and tell the queued captures the client closed; then :meth:`join`.
         A client stops all its channels before it waits for any."""
@@ -351,7 +374,7 @@ class Channel:
         busy.working = True  # a finalizer run here must not wait for the locks held here
         delay = 0.05
         try:
-            while not self._closed:
+            while not self._closed and not (self._finishing and not self._queue):
                 try:
                     sock, mac = self._connect()
                 except Exception as exc:  # the sender thread must outlive any failure
@@ -383,7 +406,7 @@ class Channel:
         while True:
             with self._mutex:
                 remaining = deadline - time.monotonic()
-                if self._closed or remaining <= 0:
+                if self._closed or self._finishing or remaining <= 0:
                     return
                 self._asleep = True
             self._wake_only.poll(remaining * 1000)
@@ -593,6 +616,9 @@ class Channel:
                     return
                 in_flight = len(self._inflight)
                 if not in_flight and not self._queue:  # every outcome wanted is known
+                    if self._finishing:  # and no more can come
+                        self._closed = True
+                        return
                     self._acks_wanted = False
                 now = time.monotonic()
                 due = self._send_now or (self._queue and now >= next_tick)
@@ -607,7 +633,7 @@ class Channel:
                 poller = (self._wake_only if ticking and in_flight and not self._acks_wanted
                           and not self._on_demand and not self._shared_room else listening)
                 self._asleep = True
-            events = poller.poll((next_tick - now) * 1000 if ticking else None)
+            events = poller.poll((next_tick - now if ticking else IDLE_RECHECK_SECONDS) * 1000)
 
     def _send_batch(self, sock: socket.socket, mac: auth.SessionMac | None,
                     batch: list[tuple[int, Pending]],

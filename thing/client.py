@@ -170,11 +170,12 @@ class Client:
         self._names = NameTracer(max_sites=self._max_names,
                                  on_forget=self._throttles.forget_sites)
         self._warned: set[str] = set()
-        self._rank = _ProcessRank()
+        self._rank = rank = _ProcessRank()
         # What the REPL set (thing.every, thing.request, ...), kept across forks like the
-        # throttles it overrides.
+        # throttles it overrides. Its channels hold it: nothing in it may hold the client,
+        # or a client dropped without close() would never be collected (see _finish_channels).
         self._overrides = Overrides(config.control() if control is None else control,
-                                    config.control_ttl(), lambda: self._rank.read()[0],
+                                    config.control_ttl(), lambda: rank.read()[0],
                                     self._throttles)
         # The calls every=/first= skip are answered by the compiled core, before any Python
         # runs; the gate calls this class's catch for every other call (see _CATCH).
@@ -198,6 +199,12 @@ class Client:
         self._throttles.announced = self._announced  # the gate answers their calls
         # server= string -> channel, oldest first; several strings may share a channel.
         self._channels: OrderedDict[str | None, Channel] = OrderedDict()
+        # Dropped without close(), a client's channels deliver what it queued, then end.
+        # (The process's end closes the clients still here; these, it waits for.)
+        if getattr(self, "_dropped", None) is not None:  # a forked child: the parent's
+            self._dropped.detach()
+        self._dropped = weakref.finalize(self, _finish_channels, self._channels)
+        self._dropped.atexit = False
 
     def catch(
         self,
@@ -453,6 +460,18 @@ _live_clients: weakref.WeakSet[Client] = weakref.WeakSet()
 _CATCH = Client.catch
 
 
+# The channels of clients dropped without close(), while they deliver what was queued.
+_finishing: weakref.WeakSet[Channel] = weakref.WeakSet()
+
+
+def _finish_channels(channels: dict[str | None, Channel]) -> None:
+    """A client was collected without close(): its channels send what it queued and end
+    (nothing more can be queued); a one-line ``Client(...).catch(x)`` is delivered."""
+    for channel in set(channels.values()):
+        _finishing.add(channel)
+        channel.finish()
+
+
 def _deliver_and_close() -> None:
     """At the end of a process: deliver what is queued, then stop every thread cleanly.
 
@@ -462,6 +481,12 @@ def _deliver_and_close() -> None:
     deadline = time.monotonic() + config.flush_timeout()
     for client in list(_live_clients):
         client.close(max(deadline - time.monotonic(), 0.001))
+    late = [channel for channel in list(_finishing)
+            if not channel.finished(max(deadline - time.monotonic(), 0.001))]
+    for channel in late:
+        channel.stop()
+    for channel in late:
+        channel.join(CLOSE_SECONDS / len(late))
 
 
 _finalizer_pid = 0

@@ -75,8 +75,9 @@ class CaptureHandle:
             _waiters.pop(self, None)
             return self.id is not None
         # Only a real wait asks: polling with wait(0) must not undo the batching.
-        if self._hurry is not None:
-            self._hurry()
+        hurry = self._hurry  # read once: resolve() lets go of it
+        if hurry is not None:
+            hurry()
         if not waiter.acquire(timeout=-1 if timeout is None else timeout):
             return False
         waiter.release()  # for the next waiter of the same handle
@@ -95,6 +96,7 @@ class CaptureHandle:
             return
         self.id, self.error = capture_id, error
         self._done = True  # after the outcome: whoever sees it done sees the outcome
+        self._hurry = None  # a kept handle must not keep its channel (and its sender) alive
         waiter = _waiters.pop(self, None)
         if waiter is not None:
             waiter.release()
