@@ -11,7 +11,8 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1026,3 +1027,34 @@ def test_a_sparse_tensor_arrives_sparse_and_is_reported(default: thing.Server, c
     thing.describe("csr")
     out = capsys.readouterr().out
     assert "torch sparse_coo" in out and "torch sparse_csr" in out and "(2, 3)" in out
+
+
+def test_serve_and_close_from_several_threads_at_once_start_and_stop_one_server(
+        no_default: None) -> None:
+    """Threads calling serve() together get one server (each had started its own, or
+    been told the port was in use by it); threads closing it together close it once."""
+    import threading
+
+    started: list[thing.Server] = []
+    failed: list[BaseException] = []
+    together = threading.Barrier(4)
+
+    def call(action: Callable[[], Any]) -> None:
+        together.wait(10)
+        try:
+            result = action()
+        except BaseException as exc:  # noqa: BLE001 (collected for the assert)
+            failed.append(exc)
+        else:
+            if result is not None:
+                started.append(result)
+
+    for action in (lambda: thing.serve(port=0), lambda: thing.repl._server.close()):
+        threads = [threading.Thread(target=call, args=(action,)) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not failed, failed
+    assert len(started) == 4 and len({id(server) for server in started}) == 1
+    assert not started[0].running

@@ -181,16 +181,12 @@ def test_cut_connections_store_nothing_corrupted_and_leak_nothing(
     poll(lambda: open_fds() <= baseline_fds, 10, f"descriptors back to {baseline_fds}")
 
 
-def test_close_cuts_off_a_peer_that_reads_none_of_its_answers(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A connection owes answers to a peer that reads none: its thread waits in a send.
-    close() waits CLOSE_SECONDS for all of them together (it had waited 5 s for each in
-    turn), then cuts them off, so no thread outlives it to show up after a restart."""
-    monkeypatch.setattr("thing.server.CLOSE_SECONDS", 0.5)
-    server = thing.Server(port=0).start()
+def deaf_peer(port: int) -> socket.socket:
+    """A peer that sends frames and reads none of the answers, until the server's
+    connection thread is stuck sending them."""
     peer = socket.socket()
     peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # its answers pile up sooner
-    peer.connect(("127.0.0.1", server.port))
+    peer.connect(("127.0.0.1", port))
     peer.sendall(wire.encode_handshake({"hostname": "deaf", "pid": 1}))
     frames = b"".join(frame_bytes(np.arange(4, dtype=np.float32), seq=i) for i in range(1000))
     peer.settimeout(1.0)
@@ -201,12 +197,59 @@ def test_close_cuts_off_a_peer_that_reads_none_of_its_answers(
             peer.sendall(frames)
     except TimeoutError:
         pass
+    return peer
+
+
+def test_close_cuts_off_a_peer_that_reads_none_of_its_answers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection owes answers to a peer that reads none: its thread waits in a send.
+    close() waits CLOSE_SECONDS for all of them together (it had waited 5 s for each in
+    turn), then cuts them off, so no thread outlives it to show up after a restart."""
+    monkeypatch.setattr("thing.server.CLOSE_SECONDS", 0.5)
+    server = thing.Server(port=0).start()
+    peer = deaf_peer(server.port)
     started = time.monotonic()
     server.close()
     assert time.monotonic() - started < 0.5 + 1.0 + 2.0
     assert not [t for t in threading.enumerate() if t.name.startswith("thing-conn")]
     assert server.clients() == []
     peer.close()
+
+
+def test_ctrl_c_while_close_waits_still_lets_go_of_the_port() -> None:
+    """Ctrl+C while close() waits for a peer that reads nothing (seconds): the server is not
+    running any more and has let go of its port and Unix socket, so serving again works
+    (it claimed to run, accepted nothing, and kept the port bound)."""
+    server = thing.Server(port=0).start()
+    port, unix_path = server.port, server.unix_path
+    peer = deaf_peer(port)
+
+    def ctrl_c(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, ctrl_c)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            server.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    try:
+        assert not server.running
+        assert unix_path is not None and not unix_path.exists()
+        with thing.Server(port=port) as again:
+            client = thing.Client("127.0.0.1", port)
+            try:
+                assert client.catch(1.5, name="after").wait(10)
+            finally:
+                client.close()
+            assert again.store.get("after").value == 1.5
+    finally:
+        peer.close()
+        server.close()  # a second close does nothing
+    poll(lambda: not [t for t in threading.enumerate() if t.name.startswith("thing-conn")],
+         timeout=10)
 
 
 def test_a_server_that_breaks_the_protocol_at_once_is_not_redialled_in_a_loop(

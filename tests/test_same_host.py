@@ -629,6 +629,48 @@ def test_shared_memory_falls_back_to_the_stream_when_descriptors_run_out(
         assert in_memfd(capture.value) == (name != "starved"), name
 
 
+def test_a_child_forked_while_a_capture_is_handed_over_holds_none_of_its_memory(
+        server: thing.Server) -> None:
+    """A fork while the sender has a capture's memfd open (between writing it and handing
+    it over) copied the descriptor into the child, where nothing closed it: a DataLoader
+    worker held a weight's memory for its life, beyond the server's cap."""
+    result = run_script(
+        """
+        import os, threading, time
+        import numpy as np, thing
+        big = np.ones(4 << 20, np.uint8)
+        assert thing.catch(big, name="w").wait(30)
+        stop, handles = threading.Event(), []
+
+        def send():
+            while not stop.is_set():
+                handles.append(thing.catch(big, name="w"))
+                handles[-1].wait(30)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        held = 0
+        for _ in range(60):
+            time.sleep(0.002)
+            pid = os.fork()
+            if pid == 0:
+                fds = os.listdir("/proc/self/fd")
+                os._exit(sum(os.path.exists(f"/proc/self/fd/{fd}") and os.readlink(
+                    f"/proc/self/fd/{fd}").startswith("/memfd:thing") for fd in fds))
+            held += os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        stop.set()
+        sender.join(60)
+        print(held, len(handles), sum(h.id is not None for h in handles))
+        """,
+        server.port,
+        timeout=120,
+        THING_TRANSPORT="shm",
+    )
+    held, sent, stored = map(int, result.split())
+    assert held == 0
+    assert sent > 0 and stored == sent  # the parent's captures are still the parent's
+
+
 def test_without_memfd_the_client_uses_the_unix_socket(server: thing.Server) -> None:
     """A platform without memfd_create (``shm.AVAILABLE`` false): shm falls back to the socket."""
     result = run_script(

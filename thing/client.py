@@ -511,6 +511,12 @@ def _deliver_at_process_end() -> None:
 def _after_fork_in_child() -> None:
     # The parent's queue, sockets and threads are not ours: start afresh. The parent's
     # captures stay the parent's to deliver; its names stay the same names here.
+    shm = sys.modules.get("thing.shm")  # loaded by a channel, never imported here
+    if shm is not None:
+        shm.close_inherited_exports()
+    for channel in list(_finishing):  # a dropped client's, delivering: the parent's too
+        channel.let_go_in_child()
+    _finishing.clear()
     for client in list(_live_clients):
         for channel in set(client._channels.values()):
             channel.let_go_in_child()

@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -29,6 +30,7 @@ from .store import Announcement, HistoryStore, Run
 Function = TypeVar("Function", bound=Callable[..., Any])
 
 _server: Server | None = None
+_serving = threading.Lock()  # held by serve(): two threads calling it start one server
 # The history loaded with thing.load() before any server ran: what the REPL functions read
 # until thing.serve(), which then receives into it.
 _loaded: HistoryStore | None = None
@@ -65,23 +67,24 @@ def serve(port: int | None = None, host: str | None = None) -> Server:
     if host is not None and not isinstance(host, str):
         raise ArgumentTypeError(f"host is a host name or address (str), not {host!r}")
     _show_log_lines()
-    if _server is not None and _server.running:
-        if port not in (None, 0, _server.port) or host not in (None, _server.host):
-            log.warning("The thing server is already running at %s:%d (one per session; "
-                        "thing.Server(port=...).start() starts another).",
-                        _server.host, _server.port)
-        else:
-            log.info("Server already running at port %d.", _server.port)
-        return _server
-    server = Server(port, host, store=_history())
-    if _server is not None:  # the session's settings hold on, as its history does
-        server.steering = _server.steering
-    try:
-        server.start()
-    except OSError as exc:
-        raise ThingError(_bind_failure(exc, server.host, server.port)) from None
-    _server = server
-    return server
+    with _serving:  # one server per session, whichever threads call at once
+        if _server is not None and _server.running:
+            if port not in (None, 0, _server.port) or host not in (None, _server.host):
+                log.warning("The thing server is already running at %s:%d (one per session; "
+                            "thing.Server(port=...).start() starts another).",
+                            _server.host, _server.port)
+            else:
+                log.info("Server already running at port %d.", _server.port)
+            return _server
+        server = Server(port, host, store=_history())
+        if _server is not None:  # the session's settings hold on, as its history does
+            server.steering = _server.steering
+        try:
+            server.start()
+        except OSError as exc:
+            raise ThingError(_bind_failure(exc, server.host, server.port)) from None
+        _server = server
+        return server
 
 
 def _bind_failure(exc: OSError, host: str, port: int) -> str:

@@ -110,6 +110,9 @@ class Server:
         self._counts = receiver.ReceiveCounts()
         self._mappings = shm.Mappings(config.max_mappings())
         self._lock = threading.Lock()
+        # Held by start() and close(): two threads closing (or one starting while another
+        # closes) would each tear down what the other is setting up.
+        self._lifecycle = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closing = threading.Event()
         self._warned_at: dict[tuple[str, str], float] = {}
@@ -122,6 +125,10 @@ class Server:
 
     def start(self) -> Server:
         """Bind, listen and start accepting in a background thread; return ``self``."""
+        with self._lifecycle:
+            return self._start()
+
+    def _start(self) -> Server:
         if self._listener is not None:
             return self
         self.token = auth.configured_token(self._configured_token)  # THING_TOKEN="": an error
@@ -164,21 +171,52 @@ class Server:
 
     def close(self) -> None:
         """Stop accepting, disconnect every client and wait for their threads; finish
-        recording (see :meth:`record`)."""
-        if self._listener is None:
-            self._close_recorders()
-            return
-        self._closing.set()
-        self._deadlines.wake()
-        shutdown(self._listener)
-        if self._unix_listener is not None:
-            shutdown(self._unix_listener)
+        recording (see :meth:`record`).
+
+        Interrupted (Ctrl+C while a peer that reads nothing holds it for seconds), it
+        still lets go of its port, sockets and memory, and is not running any more: only
+        the graceful part (each connection sending the acks it owes) is cut short.
+        """
+        with self._lifecycle:
+            listener, self._listener = self._listener, None  # not running from here on
+            if listener is None:
+                self._close_recorders()
+                return
+            self._closing.set()
+            self._deadlines.wake()
+            shutdown(listener)
+            if self._unix_listener is not None:
+                shutdown(self._unix_listener)
+            with self._lock:
+                threads = list(self._threads)
+            try:
+                self._disconnect(threads)
+            finally:
+                with self._lock:
+                    for sock in self._connections:  # what the wait did not end, cut off
+                        shutdown(sock)
+                listener.close()
+                self.buffers.close()
+                if self._unix_listener is not None:
+                    self._unix_listener.close()
+                    self._unix_listener = None
+                    remove_unix_socket(self.unix_path, self._unix_inode)  # ours, still ours
+                    self.unix_path = None
+                if self._generated_token and self.token is not None:
+                    auth.remove_token_file(self.port, self.token)
+                    self._generated_token = False
+                self._threads.clear()
+                self._close_recorders()  # after the last capture is stored
+                if self._stats_worker is not None:
+                    self._stats_worker.close()
+                    self._stats_worker = None
+
+    def _disconnect(self, threads: list[threading.Thread]) -> None:
+        """Let every connection send the acks it owes and end, for up to CLOSE_SECONDS."""
         with self._lock:
             for sock in self._connections:
                 # Reading stops; each connection still sends the acks it owes, then closes.
                 _shutdown_reading(sock)
-        with self._lock:
-            threads = list(self._threads)
         deadline = time.monotonic() + CLOSE_SECONDS
         for thread in threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
@@ -189,22 +227,6 @@ class Server:
         deadline = time.monotonic() + 1.0
         for thread in threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
-        self._listener.close()
-        self._listener = None
-        self.buffers.close()
-        if self._unix_listener is not None:
-            self._unix_listener.close()
-            self._unix_listener = None
-            remove_unix_socket(self.unix_path, self._unix_inode)  # ours only, still ours
-            self.unix_path = None
-        if self._generated_token and self.token is not None:
-            auth.remove_token_file(self.port, self.token)
-            self._generated_token = False
-        self._threads.clear()
-        self._close_recorders()  # after the last capture is stored
-        if self._stats_worker is not None:
-            self._stats_worker.close()
-            self._stats_worker = None
 
     def _close_recorders(self) -> None:
         for recorder in self._recorders:
