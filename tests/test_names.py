@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from thing.names import CallSite, NameTracer
+from thing.names import MAX_FILES, CallSite, NameTracer
 
 NAMES_PY = Path(__file__).resolve().parents[1] / "thing" / "names.py"
 
@@ -730,4 +730,28 @@ def test_the_per_instruction_cache_is_bounded():
     for _ in range(200):  # 200 distinct code objects for one site
         code = compile(source, "<thing-test-bounded>", "exec")
         exec(code, {"catch": lambda value: tracer.name_for(sys._getframe(1)), "loss": 1})
+    assert len(tracer._by_instruction) <= 50
+
+
+def test_generated_code_catching_ever_new_texts_keeps_the_tables_bounded():
+    """Code generated anew, each generation registered in linecache with a text of its own
+    (templated exec, codegen, a new IPython cell each time): each new text made a key,
+    a taken name and a file's reading that were never forgotten (26 MB per 100,000)."""
+    tracer = NameTracer(max_sites=50)
+    catch = lambda value: tracer.name_for(sys._getframe(1))[0]  # noqa: E731
+    names = []
+    for generation in range(600):
+        filename = f"<thing-test-generated-{generation}>"
+        source = f"def step(x):\n    return catch(x * {generation})\n"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        try:
+            namespace = {"catch": catch}
+            exec(compile(source, filename, "exec"), namespace)
+            names.append(namespace["step"](1))
+        finally:
+            del linecache.cache[filename]
+    assert names[:3] == ["x * 0", "x * 1", "x * 2"] and names[-1] == "x * 599"
+    assert len(tracer._by_key) <= 50 and len(tracer._taken) <= 50
+    assert len(tracer._next_suffix) <= 50
+    assert len(tracer._in_file_order) <= MAX_FILES
     assert len(tracer._by_instruction) <= 50

@@ -38,7 +38,9 @@ and ``exec`` of a string). The same expression in *another* function gets ``_1``
 appended (``loss``, ``loss_1``, ``loss_2``) in the order the functions come in their file,
 whichever catches first, so that every process of a job (ranks, DataLoader workers) names
 each variable alike; in another module, in the order they first catch. A key keeps its name
-for the life of the process.
+for the life of the process. Past ``max_sites`` keys (generated code catching ever-new
+texts), a new key is named after its text alone, and not remembered: the same text in two
+functions is one name then.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ _LAYOUT_TOKENS = frozenset(
 # The longest traced name; a longer one is cut (a server refuses names past 4 KiB, and a
 # table shows a few dozen characters).
 MAX_TRACED_NAME = 256
+MAX_FILES = 256  # source files whose reading a tracer keeps (see NameTracer._parsed)
 _OPENING = frozenset({"(", "[", "{"})
 _CLOSING_OR_JOINING = frozenset({")", "]", "}", ".", ","})
 # Python 3.12+ tokenizes f-strings into parts; earlier versions have no such tokens.
@@ -125,6 +128,8 @@ class NameTracer:
         self._next_suffix: dict[str, int] = {}
         # filename -> (the lines linecache gave, their text, its parse); for the line-based
         # fallback, which otherwise would parse a whole file for every call site in it.
+        # This and the next keep MAX_FILES files, the most recently read (a file is read
+        # again if need be: generated code registers a file of its own per generation).
         self._parsed: dict[str, tuple[list[str], str, Optional[ast.Module]]] = {}
         # filename -> (the lines linecache gave, those of them that say "catch", traced
         # text -> the functions whose catch calls have that text in the order they come in
@@ -196,12 +201,15 @@ class NameTracer:
         alike = ([] if text is None or key in self._by_key else
                  self._functions_catching(code.co_filename, frame.f_globals, text))
         with self._lock:
-            for function in alike:
+            remembering = len(self._by_key) < self.max_sites
+            for function in alike if remembering else ():
                 if (key[0], function, text) not in self._by_key:
                     self._by_key[key[0], function, text] = self._claim(text)
             name = self._by_key.get(key)
-            if name is None:
+            if name is None and remembering:
                 name = self._by_key[key] = self._claim(key[2])
+            elif name is None:  # past max_sites: not remembered, nor told apart by suffixes
+                name = key[2]
             cache = self._by_instruction
             # A stale entry goes to the back; a live one is there only if another thread
             # traced the same instruction just now, maybe in another module's globals.
@@ -289,7 +297,7 @@ class NameTracer:
                     return []
                 cached = (lines, saying_catch, order)
         with self._lock:
-            self._in_file_order[filename] = cached
+            _remember(self._in_file_order, filename, cached)
         return order.get(text, [])
 
     def _argument_on_line(self, filename: str, lines: list[str], line: int) -> Optional[str]:
@@ -302,7 +310,9 @@ class NameTracer:
                 tree: Optional[ast.Module] = _parse(source)
             except (SyntaxError, ValueError):
                 tree = None
-            cached = self._parsed[filename] = (lines, source, tree)
+            cached = (lines, source, tree)
+            with self._lock:
+                _remember(self._parsed, filename, cached)
         _, source, tree = cached
         if tree is None:
             return None
@@ -453,6 +463,15 @@ def _parse(source: str, mode: str = "exec") -> Any:
     fallback name."""
     with _PARSING:
         return ast.parse(source, mode=mode)
+
+
+def _remember(files: dict[str, Any], filename: str, reading: Any) -> None:
+    """Keep ``reading`` of ``filename`` as the newest, forgetting the oldest past MAX_FILES
+    (the caller holds the tracer's lock)."""
+    files.pop(filename, None)
+    files[filename] = reading
+    while len(files) > MAX_FILES:
+        del files[next(iter(files))]
 
 
 def _debug(message: str, *args: Any) -> None:
