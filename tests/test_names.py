@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from thing.names import MAX_FILES, CallSite, NameTracer
+from thing.names import MAX_FILES, MIN_KEYS, CallSite, NameTracer
 
 NAMES_PY = Path(__file__).resolve().parents[1] / "thing" / "names.py"
 
@@ -740,7 +740,7 @@ def test_generated_code_catching_ever_new_texts_keeps_the_tables_bounded():
     tracer = NameTracer(max_sites=50)
     catch = lambda value: tracer.name_for(sys._getframe(1))[0]  # noqa: E731
     names = []
-    for generation in range(600):
+    for generation in range(MIN_KEYS + 300):
         filename = f"<thing-test-generated-{generation}>"
         source = f"def step(x):\n    return catch(x * {generation})\n"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
@@ -750,8 +750,8 @@ def test_generated_code_catching_ever_new_texts_keeps_the_tables_bounded():
             names.append(namespace["step"](1))
         finally:
             del linecache.cache[filename]
-    assert names[:3] == ["x * 0", "x * 1", "x * 2"] and names[-1] == "x * 599"
-    assert len(tracer._by_key) <= 50 and len(tracer._taken) <= 50
-    assert len(tracer._next_suffix) <= 50
+    assert names[:2] == ["x * 0", "x * 1"] and names[-1] == f"x * {MIN_KEYS + 299}"
+    assert len(tracer._by_key) <= MIN_KEYS and len(tracer._taken) <= MIN_KEYS
+    assert len(tracer._next_suffix) <= MIN_KEYS
     assert len(tracer._in_file_order) <= MAX_FILES
     assert len(tracer._by_instruction) <= 50

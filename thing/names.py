@@ -38,9 +38,9 @@ and ``exec`` of a string). The same expression in *another* function gets ``_1``
 appended (``loss``, ``loss_1``, ``loss_2``) in the order the functions come in their file,
 whichever catches first, so that every process of a job (ranks, DataLoader workers) names
 each variable alike; in another module, in the order they first catch. A key keeps its name
-for the life of the process. Past ``max_sites`` keys (generated code catching ever-new
-texts), a new key is named after its text alone, and not remembered: the same text in two
-functions is one name then.
+for the life of the process. Past ``max_sites`` keys (at least ``MIN_KEYS``: generated
+code catching ever-new texts), a new key is named after its text alone, and not
+remembered: the same text in two functions is one name then.
 """
 
 from __future__ import annotations
@@ -75,6 +75,9 @@ _LAYOUT_TOKENS = frozenset(
 # table shows a few dozen characters).
 MAX_TRACED_NAME = 256
 MAX_FILES = 256  # source files whose reading a tracer keeps (see NameTracer._parsed)
+# Names a tracer remembers: max_sites, but at least this many (a file's functions that
+# catch the same text take their names together, a few dozen keys at once).
+MIN_KEYS = 1000
 _OPENING = frozenset({"(", "[", "{"})
 _CLOSING_OR_JOINING = frozenset({")", "]", "}", ".", ","})
 # Python 3.12+ tokenizes f-strings into parts; earlier versions have no such tokens.
@@ -201,7 +204,7 @@ class NameTracer:
         alike = ([] if text is None or key in self._by_key else
                  self._functions_catching(code.co_filename, frame.f_globals, text))
         with self._lock:
-            remembering = len(self._by_key) < self.max_sites
+            remembering = len(self._by_key) < max(self.max_sites, MIN_KEYS)
             for function in alike if remembering else ():
                 if (key[0], function, text) not in self._by_key:
                     self._by_key[key[0], function, text] = self._claim(text)
