@@ -228,7 +228,16 @@ def test_the_header_cache_of_a_connection_is_bounded(server: thing.Server) -> No
         assert 0 < connection._headers_cost <= HEADER_CACHE_BYTES
         assert len(connection._headers) < 1500 and long_header not in connection._headers
         assert server._header_budget._used == connection._headers_cost
-    assert len(server.store) == 1501
+        # Full, it keeps the newest: a header seen from now on (a sender's counts of what it
+        # could not deliver changed its headers once) is kept, the oldest forgotten.
+        steady = wire.encode_header("steady", wire.take_apart(array), {})
+        peer.sendall(_frame(steady, array.tobytes(), 1501, time.time()))
+        poll(lambda: server.store.received == 1502, what="the steady name")
+        assert steady in connection._headers
+        assert f"name-{0:05d}-".encode() not in b"".join(connection._headers)
+        assert 0 < connection._headers_cost <= HEADER_CACHE_BYTES
+        assert server._header_budget._used == connection._headers_cost
+    assert len(server.store) == 1502
 
 
 # -- what the review found: descriptors at a refused handshake, acks cut inside a batch -------

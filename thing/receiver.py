@@ -174,6 +174,7 @@ class Connection:
         self._headers: dict[bytes, KnownHeader] = {}  # raw header -> what it tells
         # Those of them a run may store (see _receive_run): no notice, nothing to check.
         self._runnable: dict[bytes, KnownHeader] = {}
+        self._header_costs: dict[bytes, int] = {}  # what each kept one holds of the budget
         self._headers_cost = 0
 
     @property
@@ -479,14 +480,26 @@ class Connection:
         cost = wire.header_cost(raw, limits)
         charge.hold_header(cost)
         header = KnownHeader.of(wire.decode_header(raw, payload_len, limits), self.sender)
-        if (not refused and len(raw) <= CACHED_HEADER_MAX
-                and self._headers_cost + cost <= HEADER_CACHE_BYTES
-                and self.settings.header_budget.take_spare(cost)):
-            self._headers[raw] = header
-            self._headers_cost += cost
-            if header.notice is None and not header.sparse:
-                self._runnable[raw] = header
+        if not refused and len(raw) <= CACHED_HEADER_MAX and cost <= HEADER_CACHE_BYTES:
+            # Full, it forgets its oldest: a header changes with what its sender could not
+            # deliver (its counts travel in it), and a connection that once dropped a few
+            # would otherwise hold single-use headers and keep no new one for good.
+            while self._headers_cost + cost > HEADER_CACHE_BYTES:
+                self._forget_header(next(iter(self._headers)))
+            if self.settings.header_budget.take_spare(cost):
+                self._headers[raw] = header
+                self._header_costs[raw] = cost
+                self._headers_cost += cost
+                if header.notice is None and not header.sparse:
+                    self._runnable[raw] = header
         return header
+
+    def _forget_header(self, raw: bytes) -> None:
+        del self._headers[raw]
+        self._runnable.pop(raw, None)
+        cost = self._header_costs.pop(raw)
+        self._headers_cost -= cost
+        self.settings.header_budget.give_back(cost)
 
     def _receive_payload(self, prefix: wire.FramePrefix, known: KnownHeader,
                          fds: list[int], signature: Any, charge: _Charge) -> Capture | None:
@@ -656,6 +669,7 @@ class Connection:
         self.settings.header_budget.give_back(self._headers_cost)
         self._headers.clear()
         self._runnable.clear()
+        self._header_costs.clear()
         self._headers_cost = 0
         try:
             set_timeouts(sock, 1.0, 0.2)
