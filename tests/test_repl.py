@@ -1058,3 +1058,24 @@ def test_serve_and_close_from_several_threads_at_once_start_and_stop_one_server(
         assert not failed, failed
     assert len(started) == 4 and len({id(server) for server in started}) == 1
     assert not started[0].running
+
+
+def test_summary_shows_a_few_rows_of_a_name_sent_by_many_runs_and_ranks() -> None:
+    """A sweep of 120 runs, or a job of 64 ranks, made summary() a row per run and rank of
+    every name it shows (365 lines): at most max_items rows a name, the newest run's
+    lowest ranks first, and a note of how many more."""
+    from thing.reports import summary
+
+    store = HistoryStore()
+    for run in range(120):
+        store.add("loss", float(run), (), 0, Sender("h:1", "h", run, None, None, f"trial{run}"))
+    for rank in range(64):
+        store.add("act", float(rank), (), 0, Sender("h:1", "h", 1000 + rank, rank, 64, "job"))
+    rows = store.overview(5).names
+    assert [(c.name, c.sender.run, c.rank) for c, _ in rows] == [
+        ("act", "job", rank) for rank in range(5)] + [
+        ("loss", f"trial{run}", None) for run in (119, 118, 117, 116, 115)]
+    assert store.overview(5).hidden_rows == 59 + 115
+    assert len(store.overview(None).names) == 184
+    text = str(summary(store, None, 5))
+    assert "174 more rows of runs and ranks (summary(max_items=None) shows all)" in text

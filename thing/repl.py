@@ -375,8 +375,9 @@ def summary(max_items: int | None = 5) -> None:
     """Show a table of what was received: per name its latest shape, dtype, count, sender.
 
     Shows the ``max_items`` most recently updated names, newest first (``None``:
-    all), a row per rank when several ranks send a name, what senders could
-    not send and why, then counts of unnamed, evicted and refused captures.
+    all), a row per run and rank when several send a name (at most ``max_items``
+    of them: the newest run's lowest ranks), what senders could not send and
+    why, then counts of unnamed, evicted and refused captures.
     Fits the terminal (long names are shortened in the middle); HTML in Jupyter.
     """
     from . import display, reports

@@ -46,7 +46,8 @@ def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None 
     """A row per name (per name, run and rank when several runs or ranks send it), newest
     first.
 
-    ``max_items`` names are shown (``None``: all), and as many of the newest
+    ``max_items`` names are shown (``None``: all), each in at most as many rows (the
+    newest run first, its lowest ranks), and as many of the newest
     names caught on demand and notices of what was not sent. A row shows the newest
     capture: shape, dtype, framework, the value itself for a scalar, how many
     versions are kept, when it arrived and who sent it; ``!`` marks a capture
@@ -77,7 +78,8 @@ def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None 
     rows = [[row[i] for i in keep] for row in rows]
 
     notes = _more(overview.name_count - len({capture.name for capture, _ in overview.names}),
-                  "name")
+                  "name") + _more(overview.hidden_rows, "row of runs and ranks",
+                                     "rows of runs and ranks")
     counts = [f"{overview.captures} captures kept", f"{overview.received} received",
               f"{overview.unnamed} unnamed", f"{overview.evicted} evicted"]
     if overview.rejected:
@@ -143,12 +145,12 @@ def unsent_table(notices: list[UnsentNotice], max_items: int | None = None) -> T
                   ("shrink", "reason"), ("shrink", "name")])
 
 
-def _more(hidden: int, what: str) -> list[str]:
+def _more(hidden: int, what: str, plural: str | None = None) -> list[str]:
     """The note under a table cut at ``max_items`` rows."""
     if hidden <= 0:
         return []
-    return [f"{hidden} more {what}{'s' if hidden != 1 else ''} (summary(max_items=None) shows "
-            "all)"]
+    return [f"{hidden} more {what if hidden == 1 else plural or what + 's'} "
+            "(summary(max_items=None) shows all)"]
 
 
 # -- one capture -----------------------------------------------------------------------

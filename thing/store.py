@@ -123,6 +123,7 @@ class StoreOverview:
     """
 
     names: list[tuple[Capture, int]]  # one per (name, run, rank) when several send a name
+    hidden_rows: int  # of the names shown, runs and ranks past max_names a name, left out
     name_count: int  # names with a kept capture, shown or not
     captures: int  # kept now, named and unnamed
     unnamed: int
@@ -723,14 +724,20 @@ class HistoryStore:
             return len(self._by_name.get(name, ()))
 
     def overview(self, max_names: int | None = None) -> StoreOverview:
-        """For summary(): the ``max_names`` most recently updated names, and counts."""
+        """For summary(): the ``max_names`` most recently updated names (for each, the newest
+        capture of its ``max_names`` newest runs and ranks), and counts."""
         with self._lock:
             recent = reversed(self._updated)
             if max_names is not None:
                 recent = islice(recent, max(max_names, 0))
-            names = [row for name in recent for row in _newest_per_source(self._by_source[name])]
+            names, hidden = [], 0
+            for name in recent:
+                rows = _newest_per_source(self._by_source[name])
+                names += rows[:max_names]
+                hidden += len(rows[max_names:]) if max_names is not None else 0
             return StoreOverview(
-                names=names, name_count=len(self._by_name), captures=len(self._by_id),
+                names=names, hidden_rows=hidden, name_count=len(self._by_name),
+                captures=len(self._by_id),
                 unnamed=self._unnamed,
                 received=self._next_id, evicted=self.evicted, rejected=self.rejected,
                 inconsistent=self._flagged, undelivered=self._undelivered_total(),
