@@ -366,6 +366,27 @@ def test_a_jax_result_still_computing_is_caught_without_waiting_and_survives_don
     assert np.asarray(server.get("corner")).tolist() == [[3000.0] * 4] * 4
 
 
+def test_a_jax_typed_prng_key_is_refused_with_what_to_catch_instead(
+        server: thing.Server) -> None:
+    """A typed key (``jax.random.key``) has an extended dtype numpy cannot interpret: "not
+    sent" said numpy's "Cannot interpret 'key<fry>' as a data type"; it now says what it
+    is and what to catch. Its key data travels as the uint32 array it is."""
+    pytest.importorskip("jax")
+    out = run_script(
+        """
+        import jax, thing
+        key = jax.random.key(7)
+        print(thing.catch(key, name="key").error)
+        assert thing.catch(jax.random.key_data(key), name="data").wait(30)
+        """,
+        server.port,
+    )
+    assert out.strip() == ("not sent: cannot send a jax array of dtype key<fry>: it has no "
+                           "numpy dtype (for a typed PRNG key, catch "
+                           "jax.random.key_data(key))")
+    assert np.asarray(server.get("data")).dtype == np.uint32
+
+
 def test_a_large_jax_array_caught_then_donated_to_the_next_step_arrives(
         server: thing.Server) -> None:
     """The jax training loop: catch the parameters, then a step that donates them. A large

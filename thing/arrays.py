@@ -154,7 +154,13 @@ def describe_leaf(obj: Any) -> Leaf | None:
         return Leaf(LeafSpec("bytes", "uint8", (view.nbytes,)), view, view.nbytes)
     jax_array = loaded_type("jax", "Array")
     if jax_array is not None and isinstance(obj, jax_array):
-        spec = LeafSpec("jax", _wire_name(np.dtype(obj.dtype)), tuple(obj.shape))
+        try:
+            dtype = np.dtype(obj.dtype)
+        except TypeError:  # an extended dtype: a typed PRNG key (key<fry>) has no bytes as such
+            raise UnsupportedType(
+                f"cannot send a jax array of dtype {obj.dtype}: it has no numpy dtype (for a "
+                "typed PRNG key, catch jax.random.key_data(key))") from None
+        spec = LeafSpec("jax", _wire_name(dtype), tuple(obj.shape))
         return Leaf(spec, obj, obj.nbytes)
     return None
 
