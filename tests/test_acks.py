@@ -7,11 +7,13 @@ capture, never a handle left pending.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import select
 import signal
 import socket
 import threading
+import time
 
 import numpy as np
 
@@ -337,6 +339,67 @@ def test_a_frame_trickled_slower_than_the_minimum_rate_is_cut_off() -> None:
         if answer:
             assert wire.decode_ack(answer[: wire.ACK.size])[0] == wire.ACK_REJECTED
     finally:
+        server.close()
+
+
+def _handshaken(port: int, hostname: str) -> socket.socket:
+    peer = connect("127.0.0.1", port, 10)
+    peer.sendall(wire.encode_handshake({"hostname": hostname, "pid": 1}))
+    assert wire.recv_handshake(peer)[0] == wire.HANDSHAKE_OK
+    return peer
+
+
+def test_a_refused_claim_read_past_a_byte_now_and_then_is_cut_off() -> None:
+    """A frame refused for the size it claims (2**62 bytes) is read past so the connection
+    goes on; read at its claim's pace, a byte now and then held the connection (and its
+    slot: 256 such peers locked every job out) for ever. Each 4 MiB of it is now due when
+    the minimum rate says."""
+    server = thing.Server(port=0)
+    server.idle_timeout, server.min_rate = 1.0, 1 << 20
+    server.start()
+    try:
+        header = wire.encode_header("huge", wire.take_apart(np.zeros(4, np.uint8)), {})
+        with _handshaken(server.port, "claims") as peer:
+            peer.sendall(wire.encode_prefix(header, 1 << 62, 0, 0.0) + header)
+            started = time.monotonic()
+            with contextlib.suppress(OSError):
+                while server.clients() and time.monotonic() - started < 30:
+                    peer.sendall(b"\0")  # far below 1 MiB/s
+                    threading.Event().wait(0.2)
+            poll(lambda: not server.clients(), what="the peer to be cut off")
+            assert time.monotonic() - started < 1.0 + 4 + 5  # idle, a piece's 4 s, slack
+    finally:
+        server.close()
+
+
+def test_headers_trickled_by_many_peers_hold_what_they_sent_of_the_header_budget(
+        monkeypatch) -> None:
+    """Sixteen peers each claim a 1 MiB header and send it a byte now and then: the budget
+    all headers share (16 MiB here) was taken whole at the claim, and every other job's new
+    header refused ("headers being received already hold ..."). It is now taken as the
+    bytes come, and each header is due by its own length, not its payload's."""
+    monkeypatch.setenv("THING_STORE_BYTES", str(128 << 20))  # a header budget of 16 MiB
+    server = thing.Server(port=0)
+    server.idle_timeout, server.min_rate = 2.0, 1 << 20
+    server.start()
+    peers = []
+    try:
+        for i in range(16):
+            peer = _handshaken(server.port, f"trickler{i}")
+            peer.sendall(wire.FRAME_PREFIX.pack(wire.FRAME_TAG, 1, 1 << 20, 1 << 62, i, 0.0, 0,
+                                                wire.NO_STEP) + b"{")
+            peers.append(peer)
+        with _handshaken(server.port, "honest") as honest:
+            honest.sendall(frame_bytes(np.arange(4.0), "loss", seq=0))
+            honest.settimeout(10)
+            status = wire.decode_ack(honest.recv(4096)[: wire.ACK.size])[0]
+        assert status != wire.ACK_REJECTED and server.store.get("loss").value.tolist() == [
+            0.0, 1.0, 2.0, 3.0]
+        poll(lambda: len(server.clients()) == 0, timeout=2.0 + 1 + 10,
+             what="the trickling peers to be cut off by their headers' length")
+    finally:
+        for peer in peers:
+            peer.close()
         server.close()
 
 

@@ -789,6 +789,23 @@ def test_what_a_statement_changes_is_what_working_everything_out_again_gives(ste
         assert shown(steered.settings()) == shown(table.settings(1))
 
 
+def test_a_server_that_forgets_again_and_again_and_never_replays_grows_no_job() -> None:
+    """A server saying a thousand first= statements, then "forget", again and again, each
+    time with other values, and never ending a replay: the counts kept over each forget
+    for the replay after it grew by a thousand each time (20 MB a second over the wire).
+    They are bounded as the table is."""
+    from thing.overrides import MAX_KEPT_BUDGETS, SettingsTable
+
+    table = SettingsTable()
+    for cycle in range(12):
+        for i in range(1000):
+            assert table.apply("first", f"name{i}", None, cycle + 2)
+        table.apply("forget", None, None, 0)
+    assert len(table._kept_budgets) <= MAX_KEPT_BUDGETS
+    table.apply("first", "name999", None, 13)  # the newest kept: its count carries on
+    assert table._kept_budgets.get(("name999", None, 13)) is None
+
+
 def test_a_requested_catch_never_waits_for_the_table_the_sender_is_working_out() -> None:
     """Applying a replay (or a flood) holds the table's lock for milliseconds: a catch of
     a requested name took its request under that lock, and waited (124 ms seen)."""

@@ -406,7 +406,7 @@ class Channel:
         while True:
             with self._mutex:
                 remaining = deadline - time.monotonic()
-                if self._closed or self._finishing or remaining <= 0:
+                if self._closed or remaining <= 0:
                     return
                 self._asleep = True
             self._wake_only.poll(remaining * 1000)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
+from itertools import islice
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 from . import wire
@@ -50,6 +51,8 @@ KINDS = ("every", "first", "pause")
 # statements for every rank (a kind per name at most) a new connection is told fewer than
 # answers.MAX_CONTROL_PER_SECOND, past which a job hangs up on its server.
 MAX_RANKED_STATEMENTS = 4 * MAX_STEERED_NAMES
+# first= counts kept over a "forget" for the replay after it (see SettingsTable), at most.
+MAX_KEPT_BUDGETS = MAX_STEERED_NAMES + MAX_RANKED_STATEMENTS
 # The operations that change what is set (a request is for the calls of now; "replayed"
 # only ends what a new connection is told, see Channel._learn_settings).
 STATEMENTS = ("every", "first", "pause", "resume", "reset", "forget")
@@ -123,8 +126,13 @@ class SettingsTable:
         if operation not in STATEMENTS:
             raise ValueError(f"{operation!r} is not a statement")
         if operation == "forget":  # added to what an earlier forget kept (settings expired)
-            self._kept_budgets.update({(s.name, s.rank, s.value): s.budget
-                                       for s in statements.values() if s.budget is not None})
+            kept = self._kept_budgets
+            kept.update({(s.name, s.rank, s.value): s.budget
+                         for s in statements.values() if s.budget is not None})
+            # A server that forgets again and again and never ends its replay must not grow
+            # them for ever: as many as the table itself holds, the oldest forgotten first.
+            for key in list(islice(kept, max(len(kept) - MAX_KEPT_BUDGETS, 0))):
+                del kept[key]
             statements.clear()
             self._keys_of.clear()
             self._ranked = 0

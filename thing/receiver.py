@@ -403,11 +403,11 @@ class Connection:
                 raise ProtocolError("a shared-memory frame came without its descriptor")
             fds.append(fd)
         payload_in_stream = 0 if shared else payload_len
-        # The whole frame must arrive at a minimum rate, so a peer that trickles cannot
-        # hold a reservation (or a discard) for ever.
+        # The frame must arrive at a minimum rate, each part by when its bytes are due, so a
+        # peer that trickles cannot hold a reservation, the header budget or its connection
+        # slot (a discard) for ever: first the header, by its own length alone.
         self._frame_started = time.monotonic()
-        self._deadline.set(settings.idle_timeout + (
-            header_len + payload_in_stream + self._trailer_size) / settings.min_rate)
+        self._due_by(header_len)
         # Every frame is numbered and signed, refused ones too: none can be slipped in.
         signature = None if self.mac is None else self.mac.incoming()
         if signature is not None:
@@ -417,21 +417,17 @@ class Connection:
             too_large = None
         except LimitExceeded as exc:
             if header_len > settings.limits.max_header_bytes:
-                self._discard(header_len, signature)
-                return self._skip(payload_in_stream, signature, seq, None, exc)
+                self._discard(header_len, signature, due_from=0)
+                return self._skip(payload_in_stream, signature, seq, None, exc, header_len)
             # Its header is read all the same (it is within bounds), so that the REPL lists
             # the capture refused by its name, not as an unnamed one.
             too_large = exc
         with _Charge(settings.store, settings.header_budget) as charge:
-            if header_len > HEADER_CHUNK:  # held whole before it is parsed: budgeted first
-                try:
-                    charge.hold_header(header_len)
-                except LimitExceeded as exc:
-                    self._discard(header_len, signature)
-                    return self._skip(payload_in_stream, signature, seq, None, exc)
-            raw_header = self._recv_header(header_len)
-            if signature is not None:
-                signature.update(raw_header)
+            try:
+                raw_header = self._recv_header(header_len, charge, signature)
+            except LimitExceeded as exc:  # the header budget: read past
+                return self._skip(payload_in_stream, signature, seq, None, exc, header_len)
+            self._due_by(header_len + payload_in_stream + self._trailer_size)
             known = self._headers.get(raw_header)
             try:
                 if known is None:
@@ -448,7 +444,8 @@ class Connection:
                 # collide, a limit): read whole, so the stream is still in step, and the
                 # frames after it, the sender's other captures, must not pay for it.
                 charge.release_header()  # not held while its payload is discarded
-                return self._skip(payload_in_stream, signature, seq, known, too_large or exc)
+                return self._skip(payload_in_stream, signature, seq, known, too_large or exc,
+                                  header_len)
             try:
                 capture = self._receive_payload(prefix, known, fds, signature, charge)
             except (LimitExceeded, InvalidValue) as exc:  # read whole: still in step
@@ -539,8 +536,7 @@ class Connection:
                     # holds the store's room (refusing every other capture) for a piece's
                     # time, not for the whole claim's (hours, for a claim of gigabytes).
                     due += size + (self._trailer_size if number == len(batches) else 0)
-                    self._deadline.set(self._frame_started - time.monotonic()
-                                       + settings.idle_timeout + due / settings.min_rate)
+                    self._due_by(due)
                 self._stream.read_into([*batch, trailer] if number == len(batches) else batch)
         modified = self._check_trailer(trailer, signature)
         if self._stream.descriptors_waiting and not self._stream.buffered:
@@ -596,12 +592,13 @@ class Connection:
         return wire.decode_trailer(bytes(trailer[:size]))
 
     def _skip(self, payload_bytes: int, signature: Any, seq: int, known: KnownHeader | None,
-              why: ProtocolError) -> bytes:
+              why: ProtocolError, header_len: int) -> bytes:
         """Read past a refused frame, so the connection and the frames after it go on."""
         self._warn_refused(known, why)
         if payload_bytes >= SMALL_BYTES:
             self._flush_acks()  # the frames before this one need not wait for its discard
-        self._discard(payload_bytes)
+        self._discard(payload_bytes, due_from=header_len)
+        self._due_by(header_len + payload_bytes + self._trailer_size)
         trailer = bytearray(self._trailer_size)
         self._stream.read_into([trailer])
         self._check_trailer(trailer, signature)
@@ -684,18 +681,53 @@ class Connection:
 
     # -- reading -------------------------------------------------------------------
 
-    def _recv_header(self, size: int) -> bytes:
-        """A header of ``size`` bytes, read as they arrive: a claim allocates nothing."""
+    def _recv_header(self, size: int, charge: _Charge, signature: Any) -> bytes:
+        """A header of ``size`` bytes, read as they arrive and fed to ``signature``: a claim
+        allocates nothing, and a long one takes the header budget as its bytes come (a peer
+        trickling one holds what it sent, not what it claimed). LimitExceeded once the
+        budget would not hold the next piece: the rest of it is read past."""
         if size <= HEADER_CHUNK:
-            return self._stream.read(size)
-        received = bytearray()
-        while len(received) < size:
-            received += self._stream.read(min(size - len(received), HEADER_CHUNK))
-        return bytes(received)
+            raw = self._stream.read(size)
+        else:
+            received = bytearray()
+            while len(received) < size:
+                piece = min(size - len(received), HEADER_CHUNK)
+                try:
+                    charge.hold_header(len(received) + piece)
+                except LimitExceeded:
+                    charge.release_header()
+                    if signature is not None:
+                        signature.update(received)
+                    self._discard(size - len(received), signature, due_from=len(received))
+                    raise
+                received += self._stream.read(piece)
+            raw = bytes(received)
+        if signature is not None:
+            signature.update(raw)
+        return raw
 
-    def _discard(self, size: int, signature: Any = None) -> None:
-        """Read and drop ``size`` bytes (feeding them to ``signature``, if given)."""
-        self._stream.skip(size, None if signature is None else signature.update)
+    def _discard(self, size: int, signature: Any = None, due_from: int | None = None) -> None:
+        """Read and drop ``size`` bytes (feeding them to ``signature``, if given). Those of
+        a frame, from its byte ``due_from`` on, are read a piece at a time, each by when it
+        is due: a claim of gigabytes read past a byte now and then holds its slot for a
+        piece's time, not for the claim's."""
+        update = None if signature is None else signature.update
+        if due_from is None:
+            self._stream.skip(size, update)
+            return
+        while size > 0:
+            piece = min(size, RECEIVE_CHUNK)
+            due_from += piece
+            self._due_by(due_from)
+            self._stream.skip(piece, update)
+            size -= piece
+
+    def _due_by(self, frame_bytes: int) -> None:
+        """What is read from now on is due when the frame's first ``frame_bytes`` are, at
+        the minimum rate from its start (THING_IDLE_TIMEOUT + bytes / THING_MIN_RATE)."""
+        settings = self.settings
+        self._deadline.set(self._frame_started - time.monotonic() + settings.idle_timeout
+                           + frame_bytes / settings.min_rate)
 
 
 @dataclass(frozen=True)
