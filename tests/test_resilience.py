@@ -252,6 +252,35 @@ def test_ctrl_c_while_close_waits_still_lets_go_of_the_port() -> None:
          timeout=10)
 
 
+def test_ctrl_c_in_a_recordings_last_flush_leaves_no_thread_after_close_again(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Ctrl+C during close() as a recording writes its last segment: a second close()
+    finishes the job (the statistics worker's thread was left running, and a later
+    serve() started a second one)."""
+    from thing.recorder import Recorder
+
+    server = thing.Server(port=0).start()
+    server.record(tmp_path / "rec")
+    close = Recorder.close
+    interrupted = []
+
+    def close_once_interrupted(recorder: Recorder) -> None:
+        if not interrupted:
+            interrupted.append(recorder)
+            raise KeyboardInterrupt
+        close(recorder)
+
+    monkeypatch.setattr(Recorder, "close", close_once_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.close()
+    assert not server.running
+    server.close()
+    assert server._stats_worker is None and not server._recorders
+    poll(lambda: not [t for t in threading.enumerate()
+                      if t.name.startswith(("thing-stats", "thing-record"))],
+         timeout=10, what="the worker and recorder threads to end")
+
+
 def test_a_server_that_breaks_the_protocol_at_once_is_not_redialled_in_a_loop(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each connection is answered, then sent bytes that are no message: the client drops

@@ -578,3 +578,65 @@ def test_what_a_capture_is_charged_covers_its_record_and_statistics() -> None:
         tracemalloc.stop()
     assert all(capture.stats is not None for capture in store.kept())
     assert held <= store.held_bytes - charged, (held, store.held_bytes - charged)
+
+
+def test_the_newest_is_the_last_stored_when_a_recording_came_from_a_clock_ahead() -> None:
+    """A recording made where the clock runs a minute ahead, loaded, then a capture arrives
+    here: get() said the live one was the newest, get(rank=0) and summary() the loaded one
+    (one went by place, the others by time). The live one is placed after it: every
+    question says it is the newest, whatever the clocks said."""
+    store = HistoryStore()
+    ahead = thing.captures.Capture(0, "x", "recorded", (), 0, Sender("b", "other", 2, 0, 1, "R"),
+                                   received_at=time.time() + 60, call=1)
+    store.restore([ahead], [RECORD_BYTES])
+    live = thing.captures.Capture(0, "x", "live", (), 0, Sender("a", "h", 1, 0, 1, "A"), call=1)
+    store.add_arrived([live], [RECORD_BYTES])
+    assert store.get("x") is live and store.get("x", rank=0) is live
+    assert [c for c, _ in store.overview().names] == [live, ahead]
+    assert store.kept() == [ahead, live] and store.get_all("x", run="all") == [ahead, live]
+    assert live.received_at < ahead.received_at  # what it shows stays what the clock said
+
+
+def test_a_capture_cleared_while_a_load_checks_is_loaded_again() -> None:
+    """load() found a loaded capture here already, outside the lock; a clear() then took
+    that one away before the loaded ones went in, and the loaded copy was dropped as a
+    duplicate of what was gone: it is loaded after all."""
+    sender = Sender("job:1", "host", 7)
+
+    class Clearing(HistoryStore):
+        def _captures_named(self, name):
+            here = list(super()._captures_named(name))
+            self.clear()  # another thread, as the check runs
+            return here
+
+    store = Clearing()
+    store.add("x", 1.0, (), 0, sender, call=1, received_at=2.0)
+    copies = [thing.captures.Capture(0, "x", value, (), 0, sender, received_at=at, call=call)
+              for value, at, call in ((0.0, 1.0, 0), (1.0, 2.0, 1))]
+    assert store.restore(copies, [RECORD_BYTES] * 2) == 2
+    assert [c.value for c in store.get_all("x")] == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("spread", ["names", "ranks"])
+def test_a_flood_of_new_names_or_ranks_is_charged_what_it_holds(spread: str) -> None:
+    """Every frame under a name of its own, or a rank of its own (a peer picks both): each
+    name and each source of one (a run and rank) holds tables the cap must count, or the
+    store went 25-40 % over it."""
+    import dataclasses
+    import tracemalloc
+
+    store = HistoryStore(max_bytes=8 << 20)
+    base = Sender("1.2.3.4:5", "h", 7, 0, 1 << 31, "r")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(30_000):
+            sender = dataclasses.replace(base, rank=i) if spread == "ranks" else base
+            name = f"n{i:06d}" if spread == "names" else "same"
+            capture = thing.captures.Capture(0, name, 1.0, (), 0, sender, call=i)
+            store.add_arrived([capture], [store.record_bytes(name, 1.0, None)])
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert store.evicted > 0 and store.held_bytes <= store.max_bytes
+    assert held <= store.max_bytes, (held, store.max_bytes)

@@ -43,7 +43,8 @@ class Capture:
     """
 
     __slots__ = ("id", "name", "_value", "_tree", "_arrays", "leaves", "nbytes", "sender",
-                 "received_at", "caught_at", "call_site", "consistent", "call", "given_step",
+                 "received_at", "placed_at", "caught_at", "call_site", "consistent", "call",
+                 "given_step",
                  "requested", "stats")
 
     def __init__(self, id: int, name: str | None, value: Any, leaves: tuple[LeafSpec, ...],
@@ -66,6 +67,10 @@ class Capture:
         self.nbytes = nbytes
         self.sender = sender
         self.received_at = time.time() if received_at is None else received_at
+        # Where it stands in the history's order (the store sets it): its arrival, or the
+        # newest already kept where this clock is behind (it stepped back, or a recording
+        # loaded came from a clock ahead), so that the newest kept is the last one stored.
+        self.placed_at = self.received_at
         self.caught_at = caught_at
         self.call_site = call_site
         self.consistent = consistent

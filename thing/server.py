@@ -179,8 +179,8 @@ class Server:
         """
         with self._lifecycle:
             listener, self._listener = self._listener, None  # not running from here on
-            if listener is None:
-                self._close_recorders()
+            if listener is None:  # closed, or a close interrupted: finish what it left
+                self._close_workers()
                 return
             self._closing.set()
             self._deadlines.wake()
@@ -206,10 +206,7 @@ class Server:
                     auth.remove_token_file(self.port, self.token)
                     self._generated_token = False
                 self._threads.clear()
-                self._close_recorders()  # after the last capture is stored
-                if self._stats_worker is not None:
-                    self._stats_worker.close()
-                    self._stats_worker = None
+                self._close_workers()
 
     def _disconnect(self, threads: list[threading.Thread]) -> None:
         """Let every connection send the acks it owes and end, for up to CLOSE_SECONDS."""
@@ -228,10 +225,15 @@ class Server:
         for thread in threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
-    def _close_recorders(self) -> None:
-        for recorder in self._recorders:
-            recorder.close()
-        self._recorders.clear()
+    def _close_workers(self) -> None:
+        """Stop the statistics worker, then the recorders (after the last capture is stored:
+        a recording's last flush, where Ctrl+C may land, comes last)."""
+        if self._stats_worker is not None:
+            self._stats_worker.close()
+            self._stats_worker = None
+        while self._recorders:
+            self._recorders[0].close()  # interrupted, the next close() closes it again
+            del self._recorders[0]
 
     def __enter__(self) -> Server:
         return self.start()

@@ -46,9 +46,13 @@ from .wire import ReceivedValue, build_value
 # captures (scalars travel in the header, with no payload) is bounded too.
 RECORD_BYTES = 1024
 # What a name costs while it has a capture, beyond its captures' records: its history's
-# deque, its entries by identifier and by update (about 940 bytes, measured). Charged so
-# that a job that never repeats a name (f"step{i}/loss") is held to the cap too.
-NAME_BYTES = 1024
+# deque, its entries by identifier and by update, its sources' table and first source's
+# deque (about 2,170 bytes, measured). Charged so that a job that never repeats a name
+# (f"step{i}/loss") is held to the cap too.
+NAME_BYTES = 2304
+# What each further source of a name (another run or rank) costs: its deque and key (about
+# 840 bytes). Charged so that a peer giving every frame a rank of its own is held too.
+SOURCE_BYTES = 896
 COPIED_LEAVES = ("bytes", "jax")  # leaves whose value is a copy of the received array
 # Notices of captures that could not be sent, kept at most (each is a few hundred bytes).
 MAX_NOTICES = 1000
@@ -174,6 +178,7 @@ class HistoryStore:
         self._charged: dict[int, int] = {}  # id -> bytes counted in _held
         self._next_id = 0
         self._held = 0  # bytes of stored captures plus reservations
+        self._newest_placed = 0.0  # the latest Capture.placed_at kept so far
         self._reserved = 0
         self._unnamed = 0
         self._flagged = 0
@@ -385,19 +390,27 @@ class HistoryStore:
             # outside the lock, so that captures go on being stored meanwhile, and looking
             # only at their times first (a float's hash, not a Sender's).
             times = {capture.received_at for capture in captures}
-            here = {_arrival_of(capture) for history in kept for capture in history
-                    if capture.received_at in times}
-            fresh = []
+            here: dict[tuple[Any, ...], Capture | None] = {
+                _arrival_of(capture): capture for history in kept for capture in history
+                if capture.received_at in times}
+            fresh, matched = [], []
             for capture, charge in sorted(zip(captures, charges),
                                           key=lambda pair: _arrival(pair[0])):
                 arrival = _arrival_of(capture)
                 if arrival not in here:  # nor twice in the recording (a hostile one)
-                    here.add(arrival)
+                    here[arrival] = None
                     fresh.append((capture, charge))
+                elif here[arrival] is not None:
+                    matched.append((capture, charge, here[arrival]))
             with self._lock:
+                # What arrived meanwhile may be here already; what was here may be gone (a
+                # clear(), an eviction): then the loaded one is not a second copy of it.
                 since = {_arrival_of(capture) for capture in self._arrived_since(mark)}
-                fresh = [(capture, charge) for capture, charge in fresh
-                         if _arrival_of(capture) not in since]
+                gone = [(capture, charge) for capture, charge, twin in matched
+                        if self._by_id.get(twin.id) is not twin]
+                fresh = sorted([(capture, charge) for capture, charge in fresh + gone
+                                if _arrival_of(capture) not in since],
+                               key=lambda pair: _arrival(pair[0]))
                 self._add_restored(fresh)
         return len(fresh)
 
@@ -405,7 +418,7 @@ class HistoryStore:
         """Insert captures (in order of arrival) into every history where they belong."""
         for capture, charge in fresh:
             capture.id = self._next_id
-            self._insert(capture, charge)
+            self._insert(capture, charge, received=False)
         captures = [capture for capture, _ in fresh]
         _settle_ids(self._by_id, len(captures))
         named: dict[str | None, int] = {}
@@ -479,9 +492,17 @@ class HistoryStore:
             # ==, not is: each `obj.method` is a new bound-method object, equal to the last.
             self._listeners = [known for known in self._listeners if known != listener]
 
-    def _insert(self, capture: Capture, charge: int) -> None:
-        """Hold a new capture (its id not yet used) as the newest; the caller holds the lock."""
+    def _insert(self, capture: Capture, charge: int, received: bool = True) -> None:
+        """Hold a new capture (its id not yet used) as the newest; the caller holds the lock.
+        A ``received`` one is placed after every capture kept (see Capture.placed_at); a
+        loaded one where its arrival puts it (restore() puts it there)."""
         untrack(capture)  # hours of history must not be walked by every full collection
+        placed = capture.received_at
+        if received and placed < self._newest_placed:
+            placed = self._newest_placed
+        elif placed > self._newest_placed:
+            self._newest_placed = placed
+        capture.placed_at = placed
         self._next_id = capture.id + 1
         self._held += charge
         self._charged[capture.id] = charge
@@ -494,7 +515,10 @@ class HistoryStore:
         try:
             self._by_source[name][key].append(capture)
         except KeyError:
-            self._by_source.setdefault(name, {})[key] = deque((capture,))
+            sources = self._by_source.setdefault(name, {})
+            if sources:  # a name's first source is in NAME_BYTES
+                self._held += SOURCE_BYTES
+            sources[key] = deque((capture,))
         if name is None:
             self._unnamed += 1
             return
@@ -531,7 +555,9 @@ class HistoryStore:
         _forget(source, capture)
         if not source:
             del sources[_source_of(capture)]
-            if not sources:
+            if sources:
+                self._held -= SOURCE_BYTES
+            else:
                 del self._by_source[capture.name]
         if capture.name is None:
             self._unnamed -= 1
@@ -705,7 +731,7 @@ class HistoryStore:
             named = [history[-1] for history in self._by_name.values()]
             unnamed = [capture for source in self._by_source.get(None, {}).values()
                        for capture in source]
-            return sorted(named + unnamed, key=_arrival)
+            return sorted(named + unnamed, key=_order)
 
     def recent(self, count: int) -> list[Capture]:
         """The ``count`` most recent captures, newest first."""
@@ -969,8 +995,9 @@ def _source_of(capture: Capture) -> tuple[str | None, int | None]:
 
 
 def _order(capture: Capture) -> tuple[float, int]:
-    """Where a capture stands in the history: when it arrived (ids break ties)."""
-    return capture.received_at, capture.id
+    """Where a capture stands in the history: where it was placed (Capture.placed_at: its
+    arrival, unless the clock went back), ids breaking ties."""
+    return capture.placed_at, capture.id
 
 
 def _settle(captures: deque[Capture], added: int) -> None:
