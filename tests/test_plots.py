@@ -468,3 +468,30 @@ def test_status_sparklines_keep_ranks_apart(server: thing.Server) -> None:
     [row] = [line for line in text.splitlines() if line.startswith("loss")]
     assert row.split()[:3] == ["loss", "rank", "1"] and row.split()[-1] == "110"
     assert row.split()[3] == "▁▂▃▃▄▅▆▆▇█"  # rank 1's ten values alone, no zigzag
+
+
+def test_many_ranks_are_drawn_as_their_median_and_range() -> None:
+    """Twelve ranks a line each were a tangle with a legend longer than the plot (64 ranks:
+    unreadable): past eight, a run's ranks are one line, their median at each step, their
+    least to their greatest shaded, and a note says so; rank="all" still draws each."""
+    store = HistoryStore()
+    for rank in range(12):
+        sender = Sender("h:1", "h", 100 + rank, rank, 12, "job")
+        for step in range(1, 6):
+            if rank == 11 and step == 5:
+                continue  # a rank behind the others: the last step has eleven values
+            store.add("loss", float(rank * step), (), 0, sender, step=step)
+    drawn = chart(store, "loss")
+    (series,) = drawn.panels[0].series
+    assert series.label == "loss ranks (median)"
+    np.testing.assert_array_equal(series.steps, [1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(series.values, [5.5, 11.0, 16.5, 22.0, 25.0])
+    np.testing.assert_array_equal(series.extent[0], [0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(series.extent[1], [11, 22, 33, 44, 50])
+    assert ("loss ranks: 12 ranks, drawn as their median at each step, with the least and "
+            "the greatest of them (rank=k draws one rank)") in drawn.notes
+    figure_lines = line_data(plot_drawing.figure(drawn))[0]
+    assert [label for label, _, _ in figure_lines] == ["loss ranks (median)"]
+    assert len(chart(store, "loss", rank="all").panels[0].series) == 12
+    assert [s.label for s in chart(store, "loss", rank=3).panels[0].series] == ["loss"]
+    assert "loss ranks (median)" in plot_drawing.text(drawn, 80)

@@ -16,6 +16,7 @@ plotting again, or live, reads no array twice. Nothing here draws:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -47,6 +48,9 @@ STAT_TITLES = {
     "spectral": "top singular value",
 }
 AUTO = "auto"  # a single number's value; an array's norm and spread
+# A run's ranks drawn a line each, at most; more are drawn as their median and range
+# (rank="all" draws every one).
+MAX_RANK_LINES = 8
 DEFAULT_BINS = 50
 
 Names = Union[str, list[str], tuple[str, ...]]
@@ -111,8 +115,11 @@ def chart(store: HistoryStore, names: Names, stat: Union[str, list[str]] = AUTO,
     notes: list[str] = []
     key: list[Any] = []
     lines = [line for name in names for line in _lines(store, name, rank, run)]
-    for label, captures in lines:
+    crowds: dict[str, list[str]] = {}  # what many ranks' lines are drawn as, by its label
+    for label, captures, crowd in lines:
         key.append(tuple(capture.id for capture in captures))
+        if crowd is not None:
+            crowds.setdefault(crowd, []).append(label)
         numbers = [capture_stats(capture).values for capture in captures]
         if all(values is None or values.count == 0 for values in numbers):
             notes.append(f"{label}: nothing to plot ({_what(captures[-1])} holds no numbers)")
@@ -137,6 +144,11 @@ def chart(store: HistoryStore, names: Names, stat: Union[str, list[str]] = AUTO,
                          + ("" if single else " (their statistics are over the finite values)"))
     if not panels:
         raise ArgumentError("; ".join(notes))
+    for crowd, members in crowds.items():
+        for panel in panels.values():
+            panel.series = _gathered(panel.series, crowd, set(members))
+        notes.append(f"{crowd}: {len(members)} ranks, drawn as their median at each step, with "
+                     "the least and the greatest of them (rank=k draws one rank)")
     if "value" in panels and len(panels["value"].series) <= 3:  # its axis names what it shows
         panels["value"].title = ", ".join(series.label for series in panels["value"].series)
     title = ", ".join(names) if len(names) <= 3 else f"{names[0]} and {len(names) - 1} more"
@@ -203,9 +215,10 @@ def _stat_list(stat: Union[str, list[str], tuple[str, ...]]) -> list[str]:
 
 
 def _lines(store: HistoryStore, name: str, rank: Union[int, str, None],
-           run: Optional[str]) -> list[tuple[str, list[Capture]]]:
-    """``(label, captures)`` per line of ``name``: one per rank when several ranks sent it
-    (unless ``rank`` picks one), and one per run with ``run="all"``."""
+           run: Optional[str]) -> list[tuple[str, list[Capture], Optional[str]]]:
+    """``(label, captures, crowd)`` per line of ``name``: one per rank when several ranks
+    sent it (unless ``rank`` picks one), and one per run with ``run="all"``. A run's
+    ranks past MAX_RANK_LINES of them are one ``crowd`` (its label), drawn as one line."""
     if isinstance(rank, str) and rank != "all":
         raise ArgumentError(f"rank must be a rank number, None or 'all', not {rank!r}")
     captures = store.get_all(name, None if rank == "all" else rank, run)
@@ -220,15 +233,42 @@ def _lines(store: HistoryStore, name: str, rank: Union[int, str, None],
     runs = list(dict.fromkeys(run_id for run_id, _ in groups))
     ordered = sorted(groups.items(), key=lambda item: (
         runs.index(item[0][0]), item[0][1] is not None, item[0][1] or 0))
+    ranks_of_run: dict[Any, int] = {}
+    for run_id, rank_number in groups:
+        ranks_of_run[run_id] = ranks_of_run.get(run_id, 0) + (rank_number is not None)
     lines = []
     for (run_id, rank_number), group in ordered:
         label = name
         if len(runs) > 1:
             label += f" run {run_id}"
+        crowd = (f"{label} ranks" if rank_number is not None and rank != "all"
+                 and ranks_of_run[run_id] > MAX_RANK_LINES else None)
         if rank_number is not None:
             label += f" rank {rank_number}"
-        lines.append((label, group))
+        lines.append((label, group, crowd))
     return lines
+
+
+def _gathered(series: list[Series], crowd: str, members: set[str]) -> list[Series]:
+    """``series`` with those of ``members`` drawn as one: at each step their median, and
+    their least to their greatest as its extent (a line each, past a few, is a tangle
+    with a legend longer than the plot)."""
+    gathered = [one for one in series if one.label in members]
+    if not gathered:
+        return series
+    steps = np.unique(np.concatenate([one.steps for one in gathered]))
+    table = np.full((len(gathered), len(steps)), np.nan)
+    for row, one in zip(table, gathered):
+        row[np.searchsorted(steps, one.steps)] = one.values  # a step twice: its last value
+    with warnings.catch_warnings():  # a step no rank has a number at: NaN, as it should
+        warnings.simplefilter("ignore", RuntimeWarning)
+        median = np.nanmedian(table, axis=0)
+        extent = (np.nanmin(table, axis=0), np.nanmax(table, axis=0))
+    non_finite = np.unique(np.concatenate([one.non_finite for one in gathered]))
+    line = Series(f"{crowd} (median)", steps, median, None, extent, non_finite)
+    first = series.index(gathered[0])
+    rest = [one for one in series if one.label not in members]
+    return rest[:first] + [line] + rest[first:]
 
 
 def _series(label: str, stat: str, captures: list[Capture]) -> Series:

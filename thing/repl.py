@@ -225,9 +225,10 @@ def plot(names: str | list[str], stat: str | list[str] = "auto", rank: int | str
     A name of single numbers (a loss) is drawn as its value; an array as its
     L2 norm, and its mean within a band of ± one std and one from min to max.
     ``stat=`` picks instead: one or a list of "value", "norm", "spread",
-    "mean", "std", "min", "max", "nan", "inf", "spectral". ``rank="all"``
-    draws a line per rank, ``run="all"`` one per run (else as in
-    :func:`get_all`). In Jupyter an inline image (matplotlib), in a terminal
+    "mean", "std", "min", "max", "nan", "inf", "spectral". Several ranks
+    are a line each, more than eight their median with their least and greatest;
+    ``rank="all"`` draws a line per rank however many, ``run="all"`` one per
+    run (else as in :func:`get_all`). In Jupyter an inline image (matplotlib), in a terminal
     a Unicode plot (uniplot), from thing's ``plot`` extra. ``file="x.png"``
     writes it instead. ``live=True`` redraws it as captures arrive: in
     Jupyter at most twice a second, returning a view whose ``stop()`` ends
