@@ -501,7 +501,8 @@ def test_every_question_answers_as_a_walk_of_the_whole_history_would(seed: int) 
             where = chance.choice(["older", "newer", "among"])
             low, high = {"older": (0, 999), "newer": (clock[0] + 1, clock[0] + 50),
                          "among": (990, clock[0] + 5)}[where]
-            loaded = [capture(chance.uniform(low, high)) for _ in range(chance.randint(1, 8))]
+            loaded = sorted((capture(chance.uniform(low, high))  # a recording: in order
+                             for _ in range(chance.randint(1, 8))), key=lambda c: c.received_at)
             again = chance.sample(kept, min(len(kept), chance.randint(0, 3)))  # here already
             copies = [thing.captures.Capture(0, c.name, c.value, (), 0, c.sender,
                                              received_at=c.received_at, call=c.call)
@@ -640,3 +641,37 @@ def test_a_flood_of_new_names_or_ranks_is_charged_what_it_holds(spread: str) -> 
         tracemalloc.stop()
     assert store.evicted > 0 and store.held_bytes <= store.max_bytes
     assert held <= store.max_bytes, (held, store.max_bytes)
+
+
+def test_a_history_placed_against_the_clock_saves_and_loads_in_its_order(tmp_path) -> None:
+    """A capture received after one loaded from a clock ahead is placed after it; saved and
+    loaded again, the history keeps that order (it was sorted by the times the clocks
+    said, and the newest changed); the same arrival twice in a recording is loaded once
+    even when its twin here went while the load looked."""
+    store = HistoryStore()
+    ahead = thing.captures.Capture(0, "x", "recorded", (), 0, Sender("b", "o", 2, 0, 1, "B"),
+                                   received_at=time.time() + 60, call=1)
+    store.restore([ahead], [RECORD_BYTES])
+    store.add_arrived([thing.captures.Capture(0, "x", "live", (), 0,
+                                              Sender("a", "h", 1, 0, 1, "R"), call=1)],
+                      [RECORD_BYTES])
+    store.save(tmp_path / "rec")
+    store.save(tmp_path / "named", names=["x"])
+    for path in ("rec", "named"):
+        loaded = HistoryStore()
+        loaded.load(tmp_path / path)
+        assert [c.value for c in loaded.get_all("x", run="all")] == ["recorded", "live"]
+        assert loaded.get("x").value == "live"
+
+    class Clearing(HistoryStore):
+        def _captures_named(self, name):
+            here = list(super()._captures_named(name))
+            self.clear()
+            return here
+
+    sender = Sender("job:1", "host", 7)
+    racing = Clearing()
+    racing.add("x", 1.0, (), 0, sender, call=1, received_at=2.0)
+    twice = [thing.captures.Capture(0, "x", 1.0, (), 0, sender, received_at=2.0, call=1)
+             for _ in range(2)]
+    assert racing.restore(twice, [RECORD_BYTES] * 2) == 1

@@ -187,7 +187,7 @@ def _captures_of(store: HistoryStore, names: Iterable[str] | None) -> list[Captu
     # By id: two names may be one history (a name and its identifier, h[3] and h_3_).
     chosen = {capture.id: capture for name in names
               for capture in store.get_all(name, run=ALL_RUNS)}
-    return sorted(chosen.values(), key=lambda c: c.received_at)
+    return sorted(chosen.values(), key=lambda c: (c.placed_at, c.id))  # as kept() has them
 
 
 def _write(captures: list[Capture], directory: Path, written: list[Path] | None = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import numbers
 import os
 import sys
@@ -389,33 +390,37 @@ class HistoryStore:
             # The check for captures here already walks the loaded names' whole histories:
             # outside the lock, so that captures go on being stored meanwhile, and looking
             # only at their times first (a float's hash, not a Sender's).
+            # In the recording's own order, which is the history's it was saved from: each
+            # placed no earlier than the one before it (see Capture.placed_at), as there.
+            placed = -math.inf
+            for capture in captures:
+                placed = capture.placed_at = max(capture.received_at, placed)
             times = {capture.received_at for capture in captures}
             here: dict[tuple[Any, ...], Capture | None] = {
                 _arrival_of(capture): capture for history in kept for capture in history
                 if capture.received_at in times}
             fresh, matched = [], []
-            for capture, charge in sorted(zip(captures, charges),
-                                          key=lambda pair: _arrival(pair[0])):
+            for position, (capture, charge) in enumerate(zip(captures, charges)):
                 arrival = _arrival_of(capture)
                 if arrival not in here:  # nor twice in the recording (a hostile one)
-                    here[arrival] = None
-                    fresh.append((capture, charge))
+                    fresh.append((position, capture, charge))
                 elif here[arrival] is not None:
-                    matched.append((capture, charge, here[arrival]))
+                    matched.append((position, capture, charge, here[arrival]))
+                here[arrival] = None  # a second copy in the recording is never added
             with self._lock:
                 # What arrived meanwhile may be here already; what was here may be gone (a
                 # clear(), an eviction): then the loaded one is not a second copy of it.
                 since = {_arrival_of(capture) for capture in self._arrived_since(mark)}
-                gone = [(capture, charge) for capture, charge, twin in matched
-                        if self._by_id.get(twin.id) is not twin]
-                fresh = sorted([(capture, charge) for capture, charge in fresh + gone
-                                if _arrival_of(capture) not in since],
-                               key=lambda pair: _arrival(pair[0]))
-                self._add_restored(fresh)
-        return len(fresh)
+                gone = [(position, capture, charge) for position, capture, charge, twin
+                        in matched if self._by_id.get(twin.id) is not twin]
+                added = [(capture, charge) for _, capture, charge in sorted(
+                    fresh + gone, key=lambda item: (item[1].placed_at, item[0]))
+                    if _arrival_of(capture) not in since]
+                self._add_restored(added)
+        return len(added)
 
     def _add_restored(self, fresh: list[tuple[Capture, int]]) -> None:
-        """Insert captures (in order of arrival) into every history where they belong."""
+        """Insert captures (in order of placement) into every history where they belong."""
         for capture, charge in fresh:
             capture.id = self._next_id
             self._insert(capture, charge, received=False)
@@ -497,7 +502,7 @@ class HistoryStore:
         A ``received`` one is placed after every capture kept (see Capture.placed_at); a
         loaded one where its arrival puts it (restore() puts it there)."""
         untrack(capture)  # hours of history must not be walked by every full collection
-        placed = capture.received_at
+        placed = capture.received_at if received else capture.placed_at
         if received and placed < self._newest_placed:
             placed = self._newest_placed
         elif placed > self._newest_placed:
@@ -840,6 +845,8 @@ class HistoryStore:
                     del self._unsent[key]
             for capture in dropped:
                 self._drop(capture)
+            if not self._by_id:  # nothing to be placed after: the clock is right again
+                self._newest_placed = 0.0
             return len(dropped)
 
     def save(self, path: str | os.PathLike[str], names: str | Iterable[str] | None = None) -> int:
