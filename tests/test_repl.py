@@ -1079,3 +1079,50 @@ def test_summary_shows_a_few_rows_of_a_name_sent_by_many_runs_and_ranks() -> Non
     assert len(store.overview(None).names) == 184
     text = str(summary(store, None, 5))
     assert "174 more rows of runs and ranks (summary(max_items=None) shows all)" in text
+
+
+def test_ctrl_c_while_the_repl_imports_a_framework_leaves_the_import_whole(tmp_path) -> None:
+    """thing.status()'s first frame may build the first torch value, and so import torch,
+    where Ctrl+C is invited: stopped halfway, torch's import left it broken for the
+    session ("Only a single TORCH_LIBRARY can be used..."). The import runs on a thread of
+    its own: Ctrl+C ends the wait, and the module is imported once, whole."""
+    (tmp_path / "side_effects.py").write_text("imported = 0\n")
+    (tmp_path / "slow_framework.py").write_text(
+        "import time, side_effects\nside_effects.imported += 1\ntime.sleep(1.0)\n"
+        "WHOLE = True\n")
+    out = run_script(f"""
+        import signal, sys, time
+        sys.path.insert(0, {str(tmp_path)!r})
+        from thing import arrays
+
+        def ctrl_c(*_):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGALRM, ctrl_c)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            arrays._optional("slow_framework")
+        except KeyboardInterrupt:
+            print("interrupted")
+        module = arrays._optional("slow_framework")
+        import side_effects
+        print(module.WHOLE, side_effects.imported)
+    """)
+    assert out.split() == ["interrupted", "True", "1"]
+
+
+def test_describe_of_one_rank_counts_that_ranks_versions() -> None:
+    """describe(name, rank=0, index=3) said "15 kept; this is get('loss', index=9)": every
+    rank's count, and an index among them all. It now counts that rank's."""
+    from thing.reports import describe
+
+    store = HistoryStore()
+    for step in range(5):
+        for rank in range(3):
+            store.add("loss", float(step), (), 0, Sender("h:1", "h", 10 + rank, rank, 3, "job"),
+                      step=step)
+    assert "5 kept from rank 0; this is get('loss', index=3, rank=0)" in str(
+        describe(store, "loss", 3, rank=0))
+    assert "5 kept from rank 2; this is the newest from rank 2" in str(
+        describe(store, "loss", rank=2))
+    assert "15 kept; this is the newest" in str(describe(store, "loss"))

@@ -111,8 +111,9 @@ def test_rank_then_run_saving_every_run_and_describe(server: thing.Server, tmp_p
     assert "6 kept; this is get('loss', index=5, run='first-launch')" in described
     assert any(line.split() == ["run", "first-launch"] for line in described.splitlines())
     # describe() selects as get() does, run= too.
-    server.describe("loss", index=2, rank=0, run="first-launch")
-    assert "6 kept; this is get('loss', index=5, run='first-launch')" in capsys.readouterr().out
+    server.describe("loss", index=2, rank=0, run="first-launch")  # counted among its rank's
+    assert ("3 kept from rank 0; this is get('loss', index=2, rank=0, run='first-launch')"
+            in " ".join(capsys.readouterr().out.split()))
     with pytest.raises(UnknownName, match="from run 'nope'"):
         server.describe("loss", run="nope")
 

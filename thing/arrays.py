@@ -19,8 +19,10 @@ leaves (:func:`sparse_parts`) and are put together again, checked first, by
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
+import threading
 import warnings
 from typing import Any, NamedTuple
 
@@ -667,11 +669,28 @@ def _optional(module: str) -> Any:
     # thread is still importing is in sys.modules half-initialised, and import waits for it.
     if module in _missing:
         return None
+    if module not in sys.modules and threading.current_thread() is threading.main_thread():
+        _import_apart(module)
     try:
         return importlib.import_module(module)
     except ImportError:
         _missing.add(module)
         return None
+
+
+def _import_apart(module: str) -> None:
+    """Import ``module`` on a thread of its own and wait for it: Ctrl+C in the REPL (the main
+    thread; thing.status() invites it, and its first frame may build the first torch value)
+    then ends the wait, not the import. torch stopped halfway stays broken for the session
+    ("Only a single TORCH_LIBRARY can be used to register the namespace prims")."""
+
+    def run() -> None:
+        with contextlib.suppress(BaseException):  # ImportError: the caller's import says so
+            importlib.import_module(module)
+
+    importing = threading.Thread(target=run, name=f"thing-import-{module}", daemon=True)
+    importing.start()
+    importing.join()
 
 
 _missing: set[str] = set()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .display import say
+from .display import counted, say
 
 if TYPE_CHECKING:
     from .recorder import SegmentWritten
@@ -210,14 +210,17 @@ def record_headless(directory: str, port: int | None = None, host: str | None = 
     finally:
         server.close()  # writes the open segment
     dropped = ", ".join(f"{count} {reason}" for reason, count in recorder.dropped.items())
-    say(f"thing recorded {recorder.written} captures in {recorder.segments} segments"
+    say(f"thing recorded {counted(recorder.written, 'capture')} in "
+        f"{counted(recorder.segments, 'segment')}"
         + (f"; not recorded: {dropped}" if dropped else "") + ".")
     return 0
 
 
 def _print_segment(written: SegmentWritten) -> None:
-    say(f"{written.path.name}: {written.captures} captures, {_megabytes(written.nbytes)} "
-        f"(recording: {written.kept_segments} segments, {_megabytes(written.kept_bytes)})")
+    say(f"{written.path.name}: {counted(written.captures, 'capture')}, "
+        f"{_megabytes(written.nbytes)} "
+        f"(recording: {counted(written.kept_segments, 'segment')}, "
+        f"{_megabytes(written.kept_bytes)})")
 
 
 def _megabytes(nbytes: int) -> str:

@@ -20,7 +20,7 @@ import numpy as np
 from .array_stats import ArrayStats, array_stats, as_float64
 from .arrays import is_array, loaded_type, sparse_parts
 from .captures import Capture, Sender
-from .display import Column, Entries, Fields, Report, Table
+from .display import Column, Entries, Fields, Report, Table, counted
 from .errors import ProtocolError, UnknownName
 from .store import Announcement, HistoryStore, UnsentNotice
 
@@ -80,15 +80,15 @@ def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None 
     notes = _more(overview.name_count - len({capture.name for capture, _ in overview.names}),
                   "name") + _more(overview.hidden_rows, "row of runs and ranks",
                                      "rows of runs and ranks")
-    counts = [f"{overview.captures} captures kept", f"{overview.received} received",
+    counts = [f"{counted(overview.captures, 'capture')} kept", f"{overview.received} received",
               f"{overview.unnamed} unnamed", f"{overview.evicted} evicted"]
     if overview.rejected:
         counts.append(f"{overview.rejected} refused for lack of room")
     if info is not None and info.dropped_transfers:
-        counts.append(f"{info.dropped_transfers} frames refused or cut short (over a limit, "
-                      "invalid, or incomplete)")
+        counts.append(f"{counted(info.dropped_transfers, 'frame')} refused or cut short "
+                      "(over a limit, invalid, or incomplete)")
     if info is not None and info.refused:
-        counts.append(f"{info.refused} connections refused at the cap")
+        counts.append(f"{counted(info.refused, 'connection')} refused at the cap")
     held = f"{bytes_text(overview.held_bytes)} held of a {bytes_text(overview.max_bytes)} cap"
     if overview.max_versions:
         held += f", {overview.max_versions} versions per name"
@@ -176,11 +176,13 @@ def describe(store: HistoryStore, name_or_id: str | int, index: int = 0,
         if not notices:
             raise
         return Report(*(_notice_fields(notice) for notice in notices))
-    return capture_report(capture, store)
+    return capture_report(capture, store, rank)
 
 
-def capture_report(capture: Capture, store: HistoryStore | None = None) -> Report:
-    """The description of one capture (``store`` adds where it stands in its history)."""
+def capture_report(capture: Capture, store: HistoryStore | None = None,
+                   rank: int | None = None) -> Report:
+    """The description of one capture (``store`` adds where it stands in its history, or
+    in its ``rank``'s when one was asked for)."""
     value = capture.value
     pairs: list[tuple[str, str]] = [
         ("name", capture.name if capture.name is not None else "(unnamed)"),
@@ -208,7 +210,7 @@ def capture_report(capture: Capture, store: HistoryStore | None = None) -> Repor
         pairs.append(("rank", rank_text(capture)))
     pairs.append(("call site", capture.call_site or "-"))
     if capture.name is not None and store is not None:
-        pairs.append(("versions", _versions_text(store, capture)))
+        pairs.append(("versions", _versions_text(store, capture, rank)))
     if capture.requested:
         pairs.append(("sent", "because of a request (thing.request)"))
     pairs.append(("consistent",
@@ -242,21 +244,23 @@ def _notice_fields(notice: UnsentNotice) -> Fields:
     ])
 
 
-def _versions_text(store: HistoryStore, capture: Capture) -> str:
+def _versions_text(store: HistoryStore, capture: Capture, rank: int | None) -> str:
     run = capture.sender.run
     try:
-        history = store.get_all(capture.name, run=run)  # its run's, as get() counts them
-        newest_run = store.get(capture.name).sender.run
+        history = store.get_all(capture.name, rank, run=run)  # as get() counts them
+        newest_run = store.get(capture.name, rank=rank).sender.run
     except KeyError:
         return "0 kept (cleared or evicted since)"
     ids = [c.id for c in history]
+    of_rank = "" if rank is None else f" from rank {rank}"
     if capture.id not in ids:
-        return f"{len(ids)} kept; this one was evicted or cleared since"
+        return f"{len(ids)} kept{of_rank}; this one was evicted or cleared since"
     index = len(ids) - 1 - ids.index(capture.id)
-    selector = "" if run == newest_run else f", run={run!r}"
-    where = (f"the newest{' of its run' if selector else ''}" if index == 0
+    selector = ("" if rank is None else f", rank={rank}") + (
+        "" if run == newest_run else f", run={run!r}")
+    where = (f"the newest{of_rank}{' of its run' if run != newest_run else ''}" if index == 0
              else f"get({capture.name!r}, index={index}{selector})")
-    return f"{len(ids)} kept; this is {where}"
+    return f"{len(ids)} kept{of_rank}; this is {where}"
 
 
 def _stats_pairs(stats: ArrayStats | None) -> list[tuple[str, str]]:

@@ -35,6 +35,7 @@ from . import config
 from ._core import untrack
 from .arrays import LeafSpec
 from .captures import Capture, Sender
+from .display import counted
 from .errors import ArgumentError, ArgumentTypeError, LimitExceeded, UnknownName, VersionOutOfRange
 from .log import log
 from .names import identifier_for
@@ -77,8 +78,8 @@ class Run:
     def __repr__(self) -> str:  # a line of a terminal, not every field in full
         ranks = ("" if not self.ranks else f", rank {self.ranks[0]}" if len(self.ranks) == 1
                  else f", ranks {min(self.ranks)}-{max(self.ranks)}")
-        return (f"Run({self.id!r}: {self.captures} captures{ranks}, {_time(self.start)}-"
-                f"{_time(self.end)}, {len(self.names)} names)")
+        return (f"Run({self.id!r}: {counted(self.captures, 'capture')}{ranks}, "
+                f"{_time(self.start)}-{_time(self.end)}, {counted(len(self.names), 'name')})")
 
 
 @dataclass(frozen=True)
