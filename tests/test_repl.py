@@ -102,7 +102,9 @@ def test_serve_on_a_busy_port_says_so_in_one_sentence(no_default: None) -> None:
             thing.serve(port=port)
     message = str(error.value)
     assert message.startswith(f"Port {port} is already in use")
-    assert "try thing.serve(port=" in message
+    free = int(message.split("try port ")[1].split(":")[0])
+    assert f"thing.serve(port={free}) or `thing serve --port {free}`" in message
+    assert f"THING_PORT={free} for the jobs" in message
     assert message.count(". ") == 0 and "\n" not in message
     assert error.value.__cause__ is None and error.value.__suppress_context__
     assert thing.repl._server is None

@@ -88,16 +88,18 @@ def serve(port: int | None = None, host: str | None = None) -> Server:
 
 
 def _bind_failure(exc: OSError, host: str, port: int) -> str:
-    """One sentence saying why the server could not listen, and what to try instead."""
-    if exc.errno == errno.EADDRINUSE:
-        return (f"Port {port} is already in use (another thing server?); "
-                f"try thing.serve(port={_free_port_near(port, host)}).")
-    if exc.errno == errno.EACCES:
-        return (f"Port {port} needs administrator rights; "
-                f"try thing.serve(port={_free_port_near(max(port, 1024), host)}).")
+    """One sentence saying why the server could not listen, and what to try instead (in the
+    REPL or at the command line: ``thing serve`` and ``thing record`` say it too)."""
+    if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+        why = ("is already in use (another thing server?)" if exc.errno == errno.EADDRINUSE
+               else "needs administrator rights")
+        free = _free_port_near(port if exc.errno == errno.EADDRINUSE else max(port, 1024), host)
+        return (f"Port {port} {why}; try port {free}: thing.serve(port={free}) or "
+                f"`thing serve --port {free}`, and THING_PORT={free} for the jobs.")
     if exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
-        return (f"Cannot listen on {host!r}: it is not an address of this machine; "
-                f"try thing.serve(host='0.0.0.0') to accept connections on every interface.")
+        return (f"Cannot listen on {host!r}: it is not an address of this machine; try "
+                "thing.serve(host='0.0.0.0') or `thing serve --host 0.0.0.0` to accept "
+                "connections on every interface.")
     return f"Cannot listen on {host}:{port}: {exc.strerror or exc}."
 
 
