@@ -342,6 +342,19 @@ def test_a_mistyped_name_ends_in_a_short_traceback(default: thing.Server) -> Non
     assert len(lines) <= 7, lines
 
 
+def test_a_wait_that_times_out_ends_in_a_short_traceback(default: thing.Server) -> None:
+    """thing.wait() running out of time is an ordinary outcome: four frames of thing's
+    own code above the message said nothing to the user."""
+    import traceback
+
+    try:
+        thing.wait("never", timeout=0.05)
+    except TimeoutError:
+        lines = traceback.format_exc().strip().splitlines()
+    assert lines[-1] == "TimeoutError: no new capture of 'never' within 0.05 s"
+    assert len(lines) <= 7, lines
+
+
 def test_what_thing_refuses_on_purpose_ends_in_a_short_traceback(
         default: thing.Server, tmp_path) -> None:
     """A save to a directory of one's own files, a load of a damaged file: thing's own

@@ -38,14 +38,14 @@ _loaded: HistoryStore | None = None
 
 def _short_traceback(function: Function) -> Function:
     """What thing refuses on purpose (a mistyped name, no server, a directory a save may not
-    use, a damaged recording: a :class:`ThingError`) ends in two traceback lines and the
-    message, not the library's stack."""
+    use, a damaged recording: a :class:`ThingError`), and a wait that timed out, end in
+    two traceback lines and the message, not the library's stack."""
 
     @functools.wraps(function)
     def reporting(*args: Any, **kwargs: Any) -> Any:
         try:
             return function(*args, **kwargs)
-        except ThingError as exc:
+        except (ThingError, TimeoutError) as exc:
             raise exc.with_traceback(None) from None
 
     return reporting  # type: ignore[return-value]
