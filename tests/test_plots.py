@@ -468,6 +468,7 @@ def test_status_sparklines_keep_ranks_apart(server: thing.Server) -> None:
     [row] = [line for line in text.splitlines() if line.startswith("loss")]
     assert row.split()[:3] == ["loss", "rank", "1"] and row.split()[-1] == "110"
     assert row.split()[3] == "▁▂▃▃▄▅▆▆▇█"  # rank 1's ten values alone, no zigzag
+    assert "last 10" in text  # as many as it shows (it said "last 46" over ten)
 
 
 def test_many_ranks_are_drawn_as_their_median_and_range() -> None:

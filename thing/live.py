@@ -130,7 +130,8 @@ def _sparkline_table(store: HistoryStore, width: int, names: int = 5) -> Table |
             break
     if not rows:
         return None
-    return Table(None, [Column("name", 12, "middle"), Column(f"last {columns}"),
+    shown = max(len(row[1]) for row in rows)  # the longest sparkline: as many values
+    return Table(None, [Column("name", 12, "middle"), Column(f"last {shown}"),
                         Column("value", 8)], rows, [],
                  [("shrink", "value"), ("shrink", "name")])
 
