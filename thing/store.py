@@ -377,8 +377,9 @@ class HistoryStore:
         """Add captures read back from a recording, each charged its ``charges`` entry;
         return how many were added.
 
-        They get new ids, after those of the captures here; every history stays
-        in order of arrival, loaded captures among received ones. One that is
+        ``captures`` come in the recording's order. They get new ids, after those
+        of the captures here; every history stays in order of arrival, loaded
+        captures among received ones (see Capture.placed_at). One that is
         here already (a recording loaded twice, or saved from this history) is
         not added again: it would count twice in every history and statistic.
         Listeners (a recorder) are not told: these captures are on disk already.
@@ -388,14 +389,14 @@ class HistoryStore:
             with self._lock:
                 mark = self._next_id
                 kept = [list(self._captures_named(name)) for name in names]
-            # The check for captures here already walks the loaded names' whole histories:
-            # outside the lock, so that captures go on being stored meanwhile, and looking
-            # only at their times first (a float's hash, not a Sender's).
             # In the recording's own order, which is the history's it was saved from: each
             # placed no earlier than the one before it (see Capture.placed_at), as there.
             placed = -math.inf
             for capture in captures:
                 placed = capture.placed_at = max(capture.received_at, placed)
+            # The check for captures here already walks the loaded names' whole histories:
+            # outside the lock, so that captures go on being stored meanwhile, and looking
+            # only at their times first (a float's hash, not a Sender's).
             times = {capture.received_at for capture in captures}
             here: dict[tuple[Any, ...], Capture | None] = {
                 _arrival_of(capture): capture for history in kept for capture in history
