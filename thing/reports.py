@@ -149,7 +149,7 @@ def _more(hidden: int, what: str, plural: str | None = None) -> list[str]:
     """The note under a table cut at ``max_items`` rows."""
     if hidden <= 0:
         return []
-    return [f"{hidden} more {what if hidden == 1 else plural or what + 's'} "
+    return [f"{counted(hidden, 'more ' + what, 'more ' + (plural or what + 's'))} "
             "(summary(max_items=None) shows all)"]
 
 
