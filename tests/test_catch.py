@@ -864,3 +864,31 @@ def test_a_client_dropped_without_close_delivers_what_it_queued_then_ends(
     assert sorted(c.value.tolist() for c in server.store.get_all("one", run="all")) == [
         [k] * 4 for k in range(20)]  # twenty connections: in whatever order they came
     assert server.store.get("at_exit").value.tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.skipif(thing._core.BACKEND != "compiled", reason="the twin cannot untrack")
+def test_queued_captures_are_not_walked_by_the_garbage_collector(server: thing.Server) -> None:
+    """A job's full collections walk every object it tracks (torch's alone are 170,000): a
+    capture waiting to be sent is none of them, so a flood of captures does not make the
+    collector walk them over and over; each still arrives as it was caught."""
+    out = run_script(
+        """
+        import gc, numpy as np, thing, thing.channel
+        thing.channel.TICK_SECONDS = 60.0  # they wait in the queue, the sender asleep
+        thing.channel.BATCH = 10**6
+        client = thing.Client(max_queue_items=10**4)
+        assert client.catch(0.0, name="warm").wait(10)
+        gc.collect()
+        before = len(gc.get_objects())
+        handles = [client.catch(np.float32([i, -i]), name="s") for i in range(2000)]
+        print(len(client._channels[None]._queue), (len(gc.get_objects()) - before) / 2000)
+        assert handles[-1].wait(30), handles[-1].error
+        """,
+        server.port,
+    )
+    queued, per_capture = out.split()
+    assert int(queued) == 2000
+    assert float(per_capture) < 0.1, per_capture  # the list of handles, one for 2,000
+    kept = server.get_all("s")
+    assert [value.tobytes() for value in kept] == [
+        np.float32([i, -i]).tobytes() for i in range(2000)]

@@ -17,6 +17,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import thing
@@ -274,6 +275,35 @@ def test_a_parents_handle_waited_on_in_a_child_writes_to_no_socket_of_the_child(
         timeout=60,
     )
     assert server.get("queued") == 1.0
+
+
+def test_a_forked_child_lets_go_of_the_captures_the_parent_had_queued(
+        server: thing.Server) -> None:
+    """They are the parent's to send: the child's copies are freed at the fork, not kept for
+    the child's life. (A queued capture is out of the collector's walks, so nothing else
+    would free them: see frames.untrack_pending.)"""
+    run_script(
+        """
+        import gc, os, weakref, numpy as np, thing, thing.channel
+        thing.channel.TICK_SECONDS = 60.0  # the capture waits in the queue, its sender asleep
+        client = thing.Client()
+        assert client.catch(0.0, name="warm").wait(10)
+        array = np.arange(1000.0)
+        pending = client.catch(array, name="queued", copy=False)  # queued: the array itself
+        queued = weakref.ref(array)
+        child = os.fork()
+        if child == 0:
+            del array, pending
+            gc.collect()
+            os._exit(3 if queued() is not None else 0)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child kept the parent's capture"
+        assert pending.wait(10)
+        """,
+        server.port,
+        timeout=60,
+    )
+    np.testing.assert_array_equal(server.get("queued"), np.arange(1000.0))
 
 
 def test_mp_spawn_ranks_are_read_at_the_call(server: thing.Server, tmp_path: Path) -> None:

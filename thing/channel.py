@@ -40,7 +40,7 @@ from .answers import Acknowledgement, Answers
 from .arrays import leaf_bytes, torn
 from .dial import TRANSPORT_NAMES, dial
 from .errors import ProtocolError
-from .frames import Finished, Headers, Pending, Undelivered, new_pending
+from .frames import Finished, Headers, Pending, Undelivered, new_pending, untrack_pending
 from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle, busy, interrupting, working
 from .log import log
 from .names import CallSite
@@ -179,7 +179,7 @@ class Channel:
         pending = new_pending(Pending, (name, wire.take_apart(obj), site, caught_at, rank,
                                         CaptureHandle(name, None, self._hurry), None, call,
                                         step, requested))
-        return self._enqueue(pending, block, copy, snapshot_bytes)
+        return self._enqueue(untrack_pending(pending), block, copy, snapshot_bytes)
 
     def announce(self, name: str | None, site: CallSite | None,
                  rank: tuple[int | None, int | None], obj: Any) -> None:
@@ -322,8 +322,11 @@ class Channel:
         down, which would end the parent's connection), so that the parent's connection
         ends when the parent does, not when the last of its children does. (The child's
         copies of the handles of captures it leaves to the parent end by themselves: see
-        handles.SENT_BY_THE_PARENT.)"""
+        handles.SENT_BY_THE_PARENT.) Its copies of the parent's captures go: only the
+        parent sends them, and the collector would not find them (frames.untrack_pending)."""
         self._closed, self._asleep = True, False
+        self._queue.clear()
+        self._inflight.clear()
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.close()
