@@ -344,6 +344,10 @@ def test_piped_output_is_plain_text(history: thing.Server, tmp_path: Path) -> No
     lines = result.stdout.splitlines()
     assert "\x1b[" not in result.stdout and all(len(line) <= 80 for line in lines)
     assert "w: L2 norm" in result.stdout and "w: mean, ± std, min to max" in result.stdout
+    # No colour tells the mean, its band and its extremes apart: each has a symbol of its own.
+    legend = next(line for line in lines if "+ std" in line)
+    symbols = re.findall(r"(\S)\1 (?:w|\+ std|- std|max|min)\b", legend)
+    assert len(symbols) == len(set(symbols)) == 5, legend
     assert "(live plots redraw in a terminal or a notebook; this output is not one)" in lines
     assert len(lines) <= 2 * 24 + 2  # each plot fits a screen
 

@@ -5,7 +5,8 @@
   pyplot: no global figure left open, no backend to configure, nothing shown
   twice by the inline backend.
 - In a terminal, and piped: a Unicode plot by uniplot, in braille dots,
-  fitted to the terminal (80×24 piped), coloured only in a terminal.
+  fitted to the terminal (80×24 piped), coloured only in a terminal; without
+  colour, several lines are each drawn in a symbol of their own (+ x o ...).
 - ``file="x.png"`` (or ``.svg``, ``.pdf``): matplotlib writes it, anywhere.
 - Where neither library is installed: a sparkline per line with its last,
   lowest and highest value, and once per session the line that names the
@@ -49,6 +50,9 @@ INSTALL_HINT = ("pip install matplotlib uniplot (thing's plot extra) draws plots
                 "in Jupyter and for file=, uniplot in a terminal")
 LIVE_INTERVAL = 0.5  # seconds between a live plot's redraws, at least
 SPARK = "▁▂▃▄▅▆▇█"
+# The symbols lines are drawn in where there is no colour to tell them apart, in order: as
+# many as a chart draws in one panel (MAX_RANK_LINES ranks, or a band's five lines).
+LINE_SYMBOLS = ["+", "x", "o", "*", "~", "#", "@", "%", "=", "&"]
 
 # Live notebook plots by what they draw: drawing the same again (a cell run twice) replaces
 # the old one instead of leaving a thread redrawing an output nobody sees.
@@ -261,13 +265,17 @@ def _uniplot(lines: list[tuple[str, np.ndarray, np.ndarray]], title: str, width:
     x_low, x_high = _span(np.concatenate([x for _, x, _ in kept]))
     marks = _marks([high, low / 2 + high / 2, low])  # halved: -1e308 + 1e308 would overflow
     room = max(len(mark) for mark in marks) + 1
+    # Without colour, braille lines all look alike: several are each drawn in a symbol of
+    # their own, which the legend shows, at a quarter of braille's resolution a row.
+    in_symbols = not color and len(kept) > 1
     with np.errstate(all="ignore"):  # its label search overflows on ranges it then drops
         body = plot_to_string(
             [y for _, _, y in kept], [x for _, x, _ in kept], title=elide(title, width),
             legend_labels=[label for label, _, _ in kept] if len(kept) > 1 else None,
             width=max(width - 2 - room, 10), height=height, y_min=low, y_max=high,
             x_min=x_low, x_max=x_high, y_labels=False, lines=True, color=color,
-            character_set="braille")
+            character_set="ascii" if in_symbols else "braille",
+            force_ascii_characters=LINE_SYMBOLS)
     rows = body.splitlines()
     top = next(i for i, row in enumerate(rows) if row.startswith("┌")) + 1
     bottom = next(i for i, row in enumerate(rows) if row.startswith("└")) - 1
