@@ -876,6 +876,15 @@ def test_wrapped_text_fits_and_keeps_every_character(words: list[str], width: in
     assert kept.replace(" ", "") == "".join(words)
 
 
+def test_a_number_and_its_unit_stay_on_one_line() -> None:
+    """The summary's footer broke "2.0 GiB" into "2.0" at a line's end and "GiB" below."""
+    text = "12 captures kept; 1.2 KiB held of a 2.0 GiB cap, last 12 s ago (5 %)."
+    for width in range(12, len(text) + 1):
+        lines = thing.display.wrap(text, width)
+        assert " ".join(lines) == text
+        assert not any(line.endswith(("1.2", "2.0", "12", "5")) for line in lines), lines
+
+
 def test_wrapping_narrower_than_its_indent_keeps_going() -> None:
     """A width below the indent, or below a wide character, still gives every character
     once, a line at least for each, and no line of indent alone (it raised IndexError)."""

@@ -85,7 +85,7 @@ def wrap(text: str, width: int, indent: str = "", first: str | None = None) -> l
     line = indent if first is None else first
     used, fresh = columns(line), True  # fresh: nothing on the line yet but its indent
     lines: list[str] = []
-    for word in text.split():
+    for word in _words(text):
         wide = columns(word)
         if not fresh and used + 1 + wide > width:
             lines.append(line)
@@ -104,6 +104,21 @@ def wrap(text: str, width: int, indent: str = "", first: str | None = None) -> l
     if not fresh or not lines:
         lines.append(line)
     return lines
+
+
+# Units that stay on the line of the number before them: "2.0 GiB", "12 s", never apart.
+UNITS = frozenset({"B", "KiB", "MiB", "GiB", "TiB", "ns", "µs", "ms", "s", "min", "h", "%"})
+
+
+def _words(text: str) -> list[str]:
+    """The words ``text`` is broken at, a unit held to its number."""
+    words: list[str] = []
+    for word in text.split():
+        if words and words[-1][-1].isdigit() and word.rstrip(",;:.)") in UNITS:
+            words[-1] += " " + word
+        else:
+            words.append(word)
+    return words
 
 
 def _padded(text: str, width: int) -> str:
