@@ -322,11 +322,11 @@ class Channel:
         down, which would end the parent's connection), so that the parent's connection
         ends when the parent does, not when the last of its children does. (The child's
         copies of the handles of captures it leaves to the parent end by themselves: see
-        handles.SENT_BY_THE_PARENT.) Its copies of the parent's captures go: only the
-        parent sends them, and the collector would not find them (frames.untrack_pending)."""
+        handles.SENT_BY_THE_PARENT.) Its copies of the parent's captures are left as they
+        are: freeing them would write to their copy-on-write pages, and run their finalizers
+        here (a CUDA capture's pinned memory records CUDA events, which a forked child
+        cannot)."""
         self._closed, self._asleep = True, False
-        self._queue.clear()
-        self._inflight.clear()
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.close()

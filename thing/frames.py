@@ -58,9 +58,9 @@ def untrack_pending(pending: Pending) -> Pending:
     collection walks every object of a job's (torch's are 170,000 of them):
     tracked, they made one every 20,000 captures, 90 ms each. None of them can
     be in a reference cycle once its handle is resolved, which drops the one
-    reference back (to the channel, whose queue holds the capture): a channel
-    resolves every handle it accepts, and a forked child lets go of its copies
-    of the parent's queue (``Channel.let_go_in_child``).
+    reference back (to the channel, whose queue holds the capture), and a
+    channel resolves every handle it accepts. (A forked child keeps its copies
+    of the parent's queue on purpose: see ``Channel.let_go_in_child``.)
     """
     untrack(pending)
     untrack(pending.handle)
