@@ -212,6 +212,45 @@ def test_a_tensor_with_no_data_is_not_sent_and_says_why_without_a_word_printed(
     assert "Warning" not in result.stderr, result.stderr
 
 
+def test_a_tensor_inside_torch_func_arrives_as_its_value_and_inside_vmap_says_why(
+        server: thing.Server) -> None:
+    """Inside grad or jvp a tensor is wrapped, level by level, to track derivatives; every
+    catch there was "not sent: could not read the data: Cannot access data pointer"."""
+    out = run_script(
+        """
+        import torch, thing
+        def caught(x, name, **options):
+            handle = thing.catch(x, name=name, **options)
+            assert handle.wait(10) or not handle.error.startswith("not sent: could not"), (
+                handle.error)
+            print(name, handle.error)
+
+        def loss(x):
+            caught(x * 2, "grad")
+            caught(x * 3, "grad, copy=False", copy=False)
+            caught(torch.func.grad(lambda y: (y ** 3).sum())(x), "grad of grad")
+            return (x ** 2).sum()
+
+        x = torch.arange(4.0)
+        torch.func.grad(loss)(x)
+        torch.func.jvp(lambda y: caught(y + 1, "jvp") or y, (x,), (torch.ones(4),))
+        torch.vmap(lambda y: caught(y * 2, "vmap") or y)(x.reshape(2, 2))
+        """,
+        server.port,
+    )
+    assert out.splitlines()[:4] == ["grad None", "grad, copy=False None", "grad of grad None",
+                                    "jvp None"]
+    assert out.splitlines()[4].startswith("vmap not sent: cannot send a tensor inside "
+                                          "torch.vmap: it stands for one example of a batch")
+    x = torch.arange(4.0)
+    for name, expected in (("grad", x * 2), ("grad, copy=False", x * 3),
+                           ("grad of grad", 3 * x ** 2), ("jvp", x + 1)):
+        got = server.get(name)
+        assert type(got) is torch.Tensor and got.dtype == torch.float32, name
+        assert got.numpy().tobytes() == expected.numpy().tobytes(), name
+    assert "vmap" in {notice.name for notice in server.store.unsent()}
+
+
 def test_a_str_enum_and_a_large_bytearray_arrive_as_they_were_at_the_call(
         server: thing.Server) -> None:
     """A ``(str, Enum)`` member (transformers' config enums) travels as its text, not as

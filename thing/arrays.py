@@ -287,7 +287,11 @@ def _snapshot_array(array: np.ndarray) -> bytes:
 
 
 def _hold_tensor(leaf: Leaf, tensor: Any, snapshot: bool) -> None:
-    start = _check_memory(tensor, leaf.nbytes)
+    try:
+        start = _check_memory(tensor, leaf.nbytes)
+    except _NoStorage:  # inside a torch.func transform: the value it wraps
+        tensor = leaf.source = _value_in_transform(tensor)
+        start = _check_memory(tensor, leaf.nbytes)
     on_cpu = tensor.is_cpu
     if not on_cpu and tensor.is_cuda:
         _copy_to_host(leaf, tensor)
@@ -341,6 +345,25 @@ def _snapshot_tensor(tensor: Any, nbytes: int, start: int | None) -> Any:
         return tensor.detach().clone(memory_format=torch.contiguous_format)
 
 
+class _NoStorage(UnsupportedType):
+    """A tensor with no storage to read: inside a torch.func transform, perhaps."""
+
+
+def _value_in_transform(tensor: Any) -> Any:
+    """What a tensor inside ``torch.func.grad``, ``jvp`` and the like stands for: the tensor
+    each level of the transform wraps to track derivatives. Inside ``vmap`` it stands for
+    one example of a batch it does not hold apart: refused. Anything else is returned as
+    it is (and refused by its storage)."""
+    functorch = getattr(sys.modules["torch"]._C, "_functorch", None)
+    while functorch is not None and functorch.is_functorch_wrapped_tensor(tensor):
+        if functorch.is_batchedtensor(tensor):
+            raise UnsupportedType("cannot send a tensor inside torch.vmap: it stands for one "
+                                  "example of a batch it does not hold apart (catch the "
+                                  "batch outside the vmap)")
+        tensor = functorch.get_unwrapped(tensor)
+    return tensor
+
+
 def _check_memory(tensor: Any, nbytes: int) -> int | None:
     """The address of a tensor's first element if its elements lie in memory of its own,
     in order from there (None for a strided one, or one that only torch can read);
@@ -363,8 +386,8 @@ def _check_memory(tensor: Any, nbytes: int) -> int | None:
         fake = (type(tensor) not in (torch.Tensor, torch.nn.Parameter)
                 and storage.device.type == "meta")
         base = 0 if fake else storage.data_ptr()
-    except (NotImplementedError, TypeError):  # a tensor under vmap or grad: torch reads it
-        return None
+    except (NotImplementedError, TypeError):  # a wrapper of torch.func's grad, jvp or vmap
+        raise _NoStorage("cannot send a tensor that has no storage of its own to read") from None
     except RuntimeError:
         if tensor._is_zerotensor():  # no memory at all: its elements are zeros
             return None
