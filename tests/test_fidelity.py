@@ -251,6 +251,30 @@ def test_a_tensor_inside_torch_func_arrives_as_its_value_and_inside_vmap_says_wh
     assert "vmap" in {notice.name for notice in server.store.unsent()}
 
 
+def test_a_strided_memoryview_arrives_as_its_bytes_in_order(server: thing.Server) -> None:
+    """A memoryview of every other element, or of a Fortran-ordered array, was "not sent:
+    memoryview: casts are restricted to C-contiguous views"."""
+    run_script(
+        """
+        import numpy as np, thing
+        array = np.arange(24.0).reshape(4, 6)
+        views = {"every other": memoryview(array)[::2], "fortran": memoryview(array.T.copy().T),
+                 "backwards": memoryview(array[::-1, ::-1])}
+        for copy in (None, True, False):
+            for name, view in views.items():
+                assert thing.catch(view, name=f"{name} {copy}", copy=copy).wait(10), name
+        """,
+        server.port,
+    )
+    array = np.arange(24.0).reshape(4, 6)
+    expected = {"every other": array[::2], "fortran": array.T.copy().T,
+                "backwards": array[::-1, ::-1]}
+    for copy in (None, True, False):
+        for name, view in expected.items():
+            got = server.get(f"{name} {copy}")
+            assert type(got) is bytes and got == view.tobytes(), (name, copy)
+
+
 def test_a_str_enum_and_a_large_bytearray_arrive_as_they_were_at_the_call(
         server: thing.Server) -> None:
     """A ``(str, Enum)`` member (transformers' config enums) travels as its text, not as

@@ -152,7 +152,9 @@ def describe_leaf(obj: Any) -> Leaf | None:
     if isinstance(obj, (np.ndarray, np.generic)) and not isinstance(obj, np.bytes_):
         return _numpy_leaf(obj)
     if isinstance(obj, (bytes, bytearray, memoryview)):  # np.bytes_ too: it is a bytes
-        view = memoryview(obj).cast("B")
+        view = memoryview(obj)
+        if view.c_contiguous:  # else its bytes in order are a copy, which hold() makes
+            view = view.cast("B")
         return Leaf(LeafSpec("bytes", "uint8", (view.nbytes,)), view, view.nbytes)
     jax_array = loaded_type("jax", "Array")
     if jax_array is not None and isinstance(obj, jax_array):
@@ -251,8 +253,9 @@ def hold(leaf: Leaf, copy: bool | None, snapshot_bytes: int) -> None:
         _hold_tensor(leaf, source, snapshot)
     elif framework == "bytes":
         # A bytearray or memoryview may change, or grow, after the call, and nothing counts
-        # its versions: copied whatever its size, unless copy=False says it will not.
-        if copy is not False and not isinstance(source.obj, bytes):
+        # its versions: copied whatever its size, unless copy=False says it will not. A
+        # strided view is copied all the same: its bytes lie in order only in a copy.
+        if not source.c_contiguous or (copy is not False and not isinstance(source.obj, bytes)):
             leaf.source = memoryview(bytes(source))
     elif not _on_cpu(source):  # jax: start the device-to-host copy now, read it later
         if snapshot:  # donated to the next step, the array itself would be gone by then
