@@ -832,9 +832,9 @@ def test_a_token_file_others_can_read_is_not_used(tmp_path: Path,
     directory.mkdir(mode=0o700)
     (directory / "token-4242").write_text("secret")
     (directory / "token-4242").chmod(0o644)
-    assert auth.client_token(4242) is None
+    assert auth.local_token(4242) is None
     (directory / "token-4242").chmod(0o600)
-    assert auth.client_token(4242) == "secret"
+    assert auth.local_token(4242) == "secret"
 
 
 # -- slots: a silent crowd is no barrier ------------------------------------------------------

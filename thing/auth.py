@@ -199,11 +199,9 @@ def configured_token(explicit: str | None = None) -> str | None:
     return value.strip() if value else None
 
 
-def client_token(port: int, explicit: str | None = None) -> str | None:
-    """The token a client answers a challenge with: configured, else the local token file."""
-    token = configured_token(explicit)
-    if token:
-        return token
+def local_token(port: int) -> str | None:
+    """The token this user's server on ``port`` wrote, for a client with none configured;
+    None if there is none it may use."""
     try:
         return read_token_file(token_file(port))
     except (OSError, TokenFileError):

@@ -92,6 +92,8 @@ class Capture:
 
     @property
     def rank(self) -> int | None:
+        """The rank of the process that sent it (torch.distributed's, else ``RANK``'s); None
+        outside a distributed job."""
         return self.sender.rank
 
     @property

@@ -65,7 +65,7 @@ def dial(address: tuple[str, int], token: str | None, this_host: bool,
         configured = auth.configured_token(token)
     except ValueError as exc:
         raise HandshakeError(str(exc)) from None
-    token = configured or auth.client_token(address[1])
+    token = configured or auth.local_token(address[1])
     sock, transport, here = _open(address, this_host, token)
     try:
         if transport == "tcp" and here and token is None:

@@ -96,6 +96,8 @@ MAX_REASON = 1000
 
 _NDIM_MAX = 64
 _DIM_MAX = 1 << 62
+# How deep a capture's containers may nest: deeper is refused when caught, and when received.
+MAX_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ class Limits:
 
     max_capture_bytes: int = field(default_factory=config.max_capture_bytes)
     max_header_bytes: int = field(default_factory=config.max_header_bytes)
-    max_depth: int = 64
+    max_depth: int = MAX_DEPTH
     max_leaves: int = 100_000
     max_name_length: int = 4096
 
@@ -180,7 +182,7 @@ class Payload:
 SINGLE_LEAF = {"leaf": 0}
 
 
-def take_apart(value: Any, max_depth: int = 64) -> Payload:
+def take_apart(value: Any) -> Payload:
     """Split ``value`` into a JSON tree and its array leaves, touching no array data.
 
     What travels: numpy, torch (strided or sparse) and jax arrays, numpy scalars,
@@ -193,7 +195,7 @@ def take_apart(value: Any, max_depth: int = 64) -> Payload:
     if leaf is not None:  # the common case, kept short: catch() runs in training loops
         return Payload(SINGLE_LEAF, [leaf], leaf.nbytes)
     taking = _Taking()
-    tree = _walk(value, taking, max_depth)
+    tree = _walk(value, taking, MAX_DEPTH)
     return Payload(tree, taking.leaves, sum(leaf.nbytes for leaf in taking.leaves),
                    taking.held)
 
