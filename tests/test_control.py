@@ -460,12 +460,15 @@ def test_control_under_a_token(jobs: list[Job]) -> None:
 
 
 def test_the_repl_refuses_what_a_client_would(server: thing.Server) -> None:
-    with pytest.raises(ValueError, match="count must be a whole number from 1"):
+    with pytest.raises(ValueError, match="count is a whole number from 1 to "):
         server.request("w", 0)
-    with pytest.raises(ValueError, match="n must be a whole number from 1"):
+    with pytest.raises(ValueError, match="n is a whole number from 1 to "):
         server.every("w", 2**50)
-    with pytest.raises(ValueError, match="rank must be a rank number"):
+    with pytest.raises(ValueError, match=r"rank \(or None: every rank\) is a whole number "
+                                         "from 0 to 2147483647, not -1"):
         server.pause("w", rank=-1)
+    with pytest.raises(TypeError, match="n is a whole number, not 2.0"):
+        server.every("w", 2.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="a name is a str"):
         server.every(3, 1)  # type: ignore[arg-type]
     # A name of no characters is the wire's "every name"; one of more than 4096 bytes, a
@@ -475,6 +478,12 @@ def test_the_repl_refuses_what_a_client_would(server: thing.Server) -> None:
     with pytest.raises(ValueError, match="a name of 5000 bytes"):
         server.every("é" * 2500, 1)
     assert server.info().steering == ()
+    # A numpy integer is as good as an int here, as in get(): pause(rank=np.int64(1)) was
+    # refused with "rank must be a rank number".
+    server.every("w", np.int64(5), rank=np.int64(1))
+    [statement] = server.info().steering
+    assert (statement.name, statement.rank, statement.value) == ("w", 1, 5)
+    assert type(statement.rank) is int and type(statement.value) is int
 
 
 @pytest.mark.parametrize("value, steered", [

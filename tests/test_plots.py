@@ -224,7 +224,7 @@ def test_mistakes_are_refused_with_what_to_do(history: thing.Server) -> None:
     with pytest.raises(ValueError, match=r"activations: nothing to plot \(dict of 1 "
                                          r"holds no numbers\)"):
         history.plot("activations")
-    with pytest.raises(ValueError, match="bins must be a whole number"):
+    with pytest.raises(ValueError, match="bins is a whole number from 1, not 0"):
         history.hist("w", bins=0)
     with pytest.raises(ValueError, match="rank must be a rank number, None or 'all'"):
         history.plot("loss", rank="every")

@@ -157,9 +157,15 @@ def test_what_get_and_wait_cannot_answer_is_refused_not_guessed(default: thing.S
     assert thing.get("w", np.int64(1)) == 1.0 and thing.get("w", step=np.int64(0)) == 0.0
     with pytest.raises(thing.UnknownName, match="'x_y' stands for several names"):
         thing.wait("x_y", 30)
-    for wrong in (0, -1, True, "5"):
-        with pytest.raises(ValueError, match="max_items is a whole number from 1"):
+    for wrong in (0, -1):
+        with pytest.raises(ValueError, match=r"max_items \(or None: all\) is a whole number "
+                                             "from 1, not"):
             thing.summary(wrong)
+    for wrong in (True, "5", 2.0):
+        with pytest.raises(TypeError, match=r"max_items \(or None: all\) is a whole number, "
+                                            "not"):
+            thing.summary(wrong)
+    thing.summary(np.int64(2))  # as good as an int
 
 
 def test_get_returns_containers_as_sent(default: thing.Server) -> None:

@@ -1,6 +1,9 @@
-"""The exceptions thing raises."""
+"""The exceptions thing raises, and the one check of a whole-number argument."""
 
 from __future__ import annotations
+
+import numbers
+from typing import Any
 
 
 class ThingError(Exception):
@@ -67,3 +70,18 @@ class UnknownName(ThingError, KeyError):
     def __str__(self) -> str:
         # KeyError would show the message as a quoted repr.
         return str(self.args[0]) if self.args else ""
+
+
+def whole_number(value: Any, what: str, least: int | None = None,
+                 most: int | None = None) -> int:
+    """``value`` as an int, if it is an integer (a numpy one too) from ``least`` to ``most``
+    (where given); else ArgumentTypeError, or ArgumentError for one out of range, naming
+    ``what``. A bool is not one: True as step 1 would hand back a capture nobody asked for."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"{what} is a whole number, not {value!r}")
+    number = int(value)
+    if (least is not None and number < least) or (most is not None and number > most):
+        bounds = (f"from {least}" if most is None else f"from {least} to {most}"
+                  if least is not None else f"up to {most}")
+        raise ArgumentError(f"{what} is a whole number {bounds}, not {value!r}")
+    return number

@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from .captures import Capture
-from .errors import ArgumentError
+from .errors import ArgumentError, whole_number
 from .history_stats import (
     capture_histogram,
     capture_stats,
@@ -160,8 +160,7 @@ def histogram(store: HistoryStore, name_or_id: Union[str, int], index: int = 0,
               run: Optional[str] = None, bins: int = DEFAULT_BINS) -> Histogram:
     """The distribution of one capture's finite values in ``bins`` equal bins (see
     ``thing.hist``)."""
-    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-        raise ArgumentError(f"bins must be a whole number of bins, 1 or more, not {bins!r}")
+    bins = whole_number(bins, "bins", least=1)
     capture = store.get(name_or_id, index, rank, step, run)
     counted = capture_histogram(capture, bins)
     label = capture.name if capture.name is not None else f"capture {capture.id}"

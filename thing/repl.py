@@ -385,10 +385,6 @@ def summary(max_items: int | None = 5) -> None:
     """
     from . import display, reports
 
-    if max_items is not None and (isinstance(max_items, bool) or not isinstance(
-            max_items, int) or max_items < 1):
-        raise ArgumentError(
-            f"max_items is a whole number from 1, or None for all, not {max_items!r}")
     store = _store()
     info = _server.info() if _server is not None and _server.running else None
     display.show(reports.summary(store, info, max_items))

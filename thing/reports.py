@@ -21,7 +21,7 @@ from .array_stats import ArrayStats, array_stats, as_float64
 from .arrays import is_array, loaded_type, sparse_parts
 from .captures import Capture, Sender
 from .display import Column, Entries, Fields, Report, Table, counted
-from .errors import ProtocolError, UnknownName
+from .errors import ProtocolError, UnknownName, whole_number
 from .store import Announcement, HistoryStore, UnsentNotice
 
 if TYPE_CHECKING:
@@ -54,6 +54,8 @@ def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None 
     that is not consistent (changed after ``catch()`` before its send ended).
     Below: what senders could not send and what this server refused, and why; then counts.
     """
+    if max_items is not None:
+        max_items = whole_number(max_items, "max_items (or None: all)", least=1)
     overview = store.overview(max_items)
     now = time.time()
     ranked = any(capture.rank is not None for capture, _ in overview.names)

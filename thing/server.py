@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from . import auth, config, receiver, shm, wire
 from .buffers import ReceiveBuffers
 from .captures import Capture, Sender, value_of
-from .errors import ArgumentError, HandshakeError, ProtocolError
+from .errors import HandshakeError, ProtocolError, whole_number
 from .history_stats import StatsWorker
 from .log import log
 from .overrides import Statement
@@ -322,15 +322,15 @@ class Server:
     def request(self, name: str, count: int = 1, rank: int | None = None) -> int:
         """Make the next ``count`` calls of ``name`` send (see ``thing.request``); returns how
         many connected clients were told."""
-        return self._steer("request", name, rank, _positive(count, "count"))
+        return self._steer("request", name, rank, _control_value(count, "count"))
 
     def every(self, name: str | None, n: int, rank: int | None = None) -> int:
         """Send every ``n``-th call of ``name`` (None: every name) (see ``thing.every``)."""
-        return self._steer("every", name, rank, _positive(n, "n"))
+        return self._steer("every", name, rank, _control_value(n, "n"))
 
     def first(self, name: str, n: int, rank: int | None = None) -> int:
         """Send the next ``n`` captures of ``name``, then none (see ``thing.first``)."""
-        return self._steer("first", name, rank, _positive(n, "n", least=0))
+        return self._steer("first", name, rank, _control_value(n, "n", least=0))
 
     def pause(self, name: str | None = None, rank: int | None = None) -> int:
         """Send nothing of ``name`` (None: of any name) until resumed (see ``thing.pause``)."""
@@ -570,13 +570,9 @@ class Server:
             log.debug(message)
 
 
-def _positive(number: int, what: str, least: int = 1) -> int:
-    """``number`` as the int a control message carries; ValueError naming ``what`` if it is
-    not a whole number from ``least`` to wire.MAX_CONTROL_VALUE."""
-    if isinstance(number, bool) or not isinstance(number, int) or not (
-            least <= number <= wire.MAX_CONTROL_VALUE):
-        raise ArgumentError(f"{what} must be a whole number from {least}, not {number!r}")
-    return number
+def _control_value(number: int, what: str, least: int = 1) -> int:
+    """``number`` as the int a control message carries (see errors.whole_number)."""
+    return whole_number(number, what, least, wire.MAX_CONTROL_VALUE)
 
 
 def _shutdown_reading(sock: socket.socket) -> None:

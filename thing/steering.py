@@ -24,7 +24,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Optional
 
 from . import wire
-from .errors import ArgumentError, ArgumentTypeError
+from .errors import ArgumentError, ArgumentTypeError, whole_number
 from .log import log
 from .overrides import MAX_RANKED_STATEMENTS, MAX_STEERED_NAMES, SettingsTable, Statement
 from .sockets import shutdown
@@ -86,9 +86,9 @@ class Steering:
             raise ArgumentTypeError(f"a name is a str (or None: every name), not {name!r}")
         if name is None and operation in ("request", "first"):
             raise ArgumentError(f"{operation}() is for the calls of one name: give its name")
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
-                                 or rank not in wire.RANKS):
-            raise ArgumentError(f"rank must be a rank number (or None: every rank), not {rank!r}")
+        if rank is not None:
+            rank = whole_number(rank, "rank (or None: every rank)", wire.RANKS.start,
+                                wire.RANKS.stop - 1)
         message = wire.encode_control(operation, name, rank, value)
         # What a client would refuse is refused here, with its reason.
         wire.decode_control(message[:wire.CONTROL.size], message[wire.CONTROL.size:])

@@ -36,7 +36,14 @@ from ._core import untrack
 from .arrays import LeafSpec
 from .captures import Capture, Sender
 from .display import counted
-from .errors import ArgumentError, ArgumentTypeError, LimitExceeded, UnknownName, VersionOutOfRange
+from .errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    LimitExceeded,
+    UnknownName,
+    VersionOutOfRange,
+    whole_number,
+)
 from .log import log
 from .names import identifier_for
 from .wire import ReceivedValue, build_value
@@ -592,9 +599,9 @@ class HistoryStore:
         the run that sent the newest capture of the name, from ``rank`` if given;
         ``"all"``: any). With an id, none of these selects anything (ValueError).
         """
-        _whole_number("index", index)
+        index = whole_number(index, "index")
         if step is not None:
-            _whole_number("step", step)
+            step = whole_number(step, "step")
         with self._lock:
             if isinstance(key, numbers.Integral) and not isinstance(key, bool):
                 if index or step is not None or rank is not None or run is not None:
@@ -652,7 +659,7 @@ class HistoryStore:
         every run) and ``rank`` (default: every rank): one source's own history when that is
         what was asked for, so that the n-th newest is found without walking the others."""
         if rank is not None:
-            _whole_number("rank", rank)
+            rank = whole_number(rank, "rank")
         name = self._resolve(name)
         history, sources = self._by_name[name], self._by_source[name]
         ranked = [key for key in sources if rank is None or key[1] == rank]
@@ -1048,13 +1055,6 @@ def _forget(captures: deque[Capture], capture: Capture) -> None:
         captures.popleft()
     else:
         captures.remove(capture)
-
-
-def _whole_number(what: str, value: Any) -> None:
-    """TypeError unless ``value`` is an int (a numpy one too), not a bool: True as step 1
-    would hand back a capture nobody asked for."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ArgumentTypeError(f"{what} is a whole number, not {value!r}")
 
 
 def _header_bytes(value: Any) -> int:
