@@ -19,7 +19,7 @@ import thing.history_stats
 import thing.reports
 from thing import wire
 from thing._core import recv_buffers, send_buffers
-from thing.channel import BATCH, SMALL_BYTES
+from thing.channel import BATCH
 from thing.handles import QUEUE_FULL
 
 from .conftest import expect_line, free_port, poll, run_script, start_script
@@ -484,7 +484,7 @@ def test_small_captures_go_once_a_tick_and_at_once_when_waited_for(server: thing
             client.catch(np.float32(i), name="tick")
         print("batch", flush=True)
         sys.stdin.readline()
-        client.catch(np.ones(thing.channel.SMALL_BYTES, np.uint8), name="large")
+        client.catch(np.ones(wire.SMALL_BYTES, np.uint8), name="large")
         print("large", flush=True)
         sys.stdin.readline()
         client.catch(np.float32(-1), name="flushed")
@@ -716,7 +716,7 @@ def test_a_large_capture_wakes_an_idle_sender_even_after_a_hurry_that_found_the_
         poll(lambda: channel._idle, what="the sender asleep after a quiet tick")
         with client._queue.mutex:  # a catch interrupted by a signal handler holds it
             channel.hurry()  # from that handler: it cannot take the lock
-        client.catch(np.ones(SMALL_BYTES, np.uint8), name="big")  # sent at once; no wait
+        client.catch(np.ones(wire.SMALL_BYTES, np.uint8), name="big")  # sent at once; no wait
         poll(lambda: "big" in server.store.names(), timeout=10, what="the large capture")
     finally:
         client.close()

@@ -51,6 +51,17 @@ def test_a_training_job_loads_only_the_sending_side(server) -> None:
     assert "thing.channel" in sent.split()
 
 
+def test_the_repl_side_loads_none_of_the_sending_side() -> None:
+    """The server, the store and the recording reader never load a client's sender: what both
+    sides agree on (the small-frame size, the reasons of what was not delivered) is wire's."""
+    out = run_script("""
+        import sys, thing.server, thing.segments, thing.recording
+        print(" ".join(sorted(m for m in ("thing.channel", "thing.send_queue", "thing.dial",
+                                          "thing.answers", "thing.frames") if m in sys.modules)))
+    """)
+    assert out.strip() == ""
+
+
 def test_no_module_hides_a_function_of_the_same_name() -> None:
     # Importing thing.X sets the attribute X of the package: a module named like a public
     # function (thing/stats.py once did) would replace thing.stats() once anything imported it.

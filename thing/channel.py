@@ -48,11 +48,10 @@ from .overrides import Overrides
 from .send_queue import SendQueue
 from .sockets import is_this_host, shutdown
 
-# Captures below SMALL_BYTES are sent together, once a tick of TICK_SECONDS, at most
+# Captures below wire.SMALL_BYTES are sent together, once a tick of TICK_SECONDS, at most
 # BATCH at a time: delivery up to a tick later, for far fewer thread wake-ups (each costs
 # tens of microseconds of CPU on a virtual machine, more than the capture itself). They
 # were snapshotted at the call, so the wait cannot change what they hold.
-SMALL_BYTES = 64 << 10
 TICK_SECONDS = 0.05
 # An idle sender still wakes this often: a client collected by a finalizer that interrupted
 # thing's own work (see finish) cannot wake it, and a client is always collected by the
@@ -280,7 +279,7 @@ class Channel:
         wake = self._idle
         awaited = pending.requested and self.overrides.first_answer(pending.name)
         if not self._send_now and (
-                nbytes >= SMALL_BYTES or len(queue) >= BATCH
+                nbytes >= wire.SMALL_BYTES or len(queue) >= BATCH
                 or 2 * len(queue) > room.max_items
                 or 2 * self._queued_bytes > room.max_bytes or awaited):
             self._send_now = wake = True
@@ -674,8 +673,8 @@ class Channel:
             sent.clear()
             give_back(through)
 
-        alone = min(SMALL_BYTES, config.shm_threshold() if self.transport == "shm"
-                    else SMALL_BYTES)
+        alone = min(wire.SMALL_BYTES, config.shm_threshold() if self.transport == "shm"
+                    else wire.SMALL_BYTES)
         whole = wire.encode_trailer(False)
         try:
             for index, (seq, pending) in enumerate(batch):

@@ -35,10 +35,8 @@ from ._core import send_buffers
 from .arrays import CARRIER_DTYPES, LeafSpec
 from .buffers import ReceiveBuffers
 from .captures import Capture, Sender
-from .channel import SMALL_BYTES
 from .errors import HandshakeError, InvalidValue, LimitExceeded, ProtocolError
 from .run_names import MAX_RUN_NAME
-from .send_queue import NOT_DELIVERED_REASONS
 from .sockets import set_timeouts
 from .store import Announcement, HistoryStore, UnsentNotice
 from .stream import StreamReader
@@ -330,8 +328,8 @@ class Connection:
         seqs: list[int] = []
         start = 0  # of the next frame in what has arrived
         for end, known, payload, seq, caught_at, call, step, modified in \
-                wire.decode_small_frames(stream.peek(stream.buffered),
-                                         ACK_BATCH - len(self._acks), SMALL_BYTES, self._runnable):
+                wire.decode_small_frames(stream.peek(stream.buffered), ACK_BATCH - len(self._acks),
+                                         wire.SMALL_BYTES, self._runnable):
             charge = len(payload) + known.record_bytes
             if (known.header.nbytes != len(payload) or charge > store.max_bytes // 2
                     or not store.could_reserve(len(payload))):
@@ -513,14 +511,14 @@ class Connection:
             charge.fill(payload_len)
             arrays = self._adopt(fds.pop(), header.leaves)
             self._stream.read_into([trailer])
-        elif payload_len < SMALL_BYTES and (
+        elif payload_len < wire.SMALL_BYTES and (
                 here := self._stream.take(payload_len + self._trailer_size)) is not None:
             # Read ahead with frames before it: copied out, one numpy call per array.
             charge.fill(payload_len)
             arrays = _arrays_of(known.layout, here[:payload_len])
             trailer[:] = here[payload_len:]
         else:
-            if payload_len >= SMALL_BYTES:
+            if payload_len >= wire.SMALL_BYTES:
                 self._flush_acks()  # the frames before this one need not wait for its payload
             arrays = [settings.buffers.array(spec) for spec in header.leaves]
             views = [array.reshape(-1).view(np.uint8) for array in arrays if array.nbytes]
@@ -595,7 +593,7 @@ class Connection:
               why: ProtocolError, header_len: int) -> bytes:
         """Read past a refused frame, so the connection and the frames after it go on."""
         self._warn_refused(known, why)
-        if payload_bytes >= SMALL_BYTES:
+        if payload_bytes >= wire.SMALL_BYTES:
             self._flush_acks()  # the frames before this one need not wait for its discard
         self._discard(payload_bytes, due_from=header_len)
         self._due_by(header_len + payload_bytes + self._trailer_size)
@@ -965,7 +963,7 @@ def _undelivered_of(meta: dict[str, Any]) -> dict[str, int]:
     if not isinstance(counts, dict):
         return {}
     return {reason: count for reason, count in counts.items()
-            if reason in NOT_DELIVERED_REASONS and _int_in(count, range(1 << 62)) is not None}
+            if reason in wire.NOT_DELIVERED_REASONS and _int_in(count, range(1 << 62)) is not None}
 
 
 def _int_in(value: Any, numbers: range) -> int | None:

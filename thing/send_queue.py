@@ -8,10 +8,6 @@ from collections import Counter
 
 from .log import log
 
-# Why captures were not delivered, as the client tells the server (Client.undelivered also
-# counts "refused": the server's own refusals, which it counted itself).
-NOT_DELIVERED_REASONS = ("no server", "queue full", "failed", "lost", "closed")
-
 
 class SendQueue:
     """The room a client's captures take until they are sent, shared by its channels.

@@ -93,6 +93,12 @@ MAX_TIME = 1e11
 
 # The longest reason a notice of an unsent capture carries (the rest is cut).
 MAX_REASON = 1000
+# Why captures were not delivered, as a frame's meta counts them ("undelivered"); the
+# client counts "refused" too, the server's refusals, which the server counted itself.
+NOT_DELIVERED_REASONS = ("no server", "queue full", "failed", "lost", "closed")
+# A payload below this many bytes is small: a client sends such frames together, once a
+# tick (see channel.py), and a server reads them many at a time into a buffer it keeps.
+SMALL_BYTES = 64 << 10
 
 _NDIM_MAX = 64
 _DIM_MAX = 1 << 62
