@@ -484,7 +484,7 @@ def test_small_captures_go_once_a_tick_and_at_once_when_waited_for(server: thing
             client.catch(np.float32(i), name="tick")
         print("batch", flush=True)
         sys.stdin.readline()
-        client.catch(np.ones(wire.SMALL_BYTES, np.uint8), name="large")
+        client.catch(np.ones(thing.wire.SMALL_BYTES, np.uint8), name="large")
         print("large", flush=True)
         sys.stdin.readline()
         client.catch(np.float32(-1), name="flushed")
