@@ -869,26 +869,28 @@ def test_a_client_dropped_without_close_delivers_what_it_queued_then_ends(
 @pytest.mark.skipif(thing._core.BACKEND != "compiled", reason="the twin cannot untrack")
 def test_queued_captures_are_not_walked_by_the_garbage_collector(server: thing.Server) -> None:
     """A job's full collections walk every object it tracks (torch's alone are 170,000): a
-    capture waiting to be sent is none of them, so a flood of captures does not make the
-    collector walk them over and over; each still arrives as it was caught."""
+    capture waiting behind others to be sent (a flood) is none of them, so the collector
+    does not walk them over and over; each still arrives as it was caught."""
     out = run_script(
         """
         import gc, numpy as np, thing, thing.channel
-        thing.channel.TICK_SECONDS = 60.0  # they wait in the queue, the sender asleep
-        thing.channel.BATCH = 10**6
+        thing.channel.TICK_SECONDS = 60.0
         client = thing.Client(max_queue_items=10**4)
         assert client.catch(0.0, name="warm").wait(10)
+        thing.channel.MAX_IN_FLIGHT = 0  # none sent: the queue grows, as behind a busy sender
         gc.collect()
         before = len(gc.get_objects())
         handles = [client.catch(np.float32([i, -i]), name="s") for i in range(2000)]
         print(len(client._channels[None]._queue), (len(gc.get_objects()) - before) / 2000)
+        thing.channel.MAX_IN_FLIGHT = 128
         assert handles[-1].wait(30), handles[-1].error
         """,
         server.port,
     )
     queued, per_capture = out.split()
     assert int(queued) == 2000
-    assert float(per_capture) < 0.1, per_capture  # the list of handles, one for 2,000
+    # The first BATCH are tracked (they go with the next send), and the list of handles.
+    assert float(per_capture) < 0.3, per_capture
     kept = server.get_all("s")
     assert [value.tobytes() for value in kept] == [
         np.float32([i, -i]).tobytes() for i in range(2000)]

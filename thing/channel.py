@@ -178,7 +178,7 @@ class Channel:
         pending = new_pending(Pending, (name, wire.take_apart(obj), site, caught_at, rank,
                                         CaptureHandle(name, None, self._hurry), None, call,
                                         step, requested))
-        return self._enqueue(untrack_pending(pending), block, copy, snapshot_bytes)
+        return self._enqueue(pending, block, copy, snapshot_bytes)
 
     def announce(self, name: str | None, site: CallSite | None,
                  rank: tuple[int | None, int | None], obj: Any) -> None:
@@ -269,6 +269,10 @@ class Channel:
         queue = self._queue
         queue.append(pending)
         self._queued_bytes += nbytes
+        if len(queue) > BATCH or len(pending.payload.leaves) > 1:
+            # It waits behind others (a flood), or holds many objects: out of the collector's
+            # walks before it ages into the generation every full collection walks.
+            untrack_pending(pending)
         room = self._room
         # A small capture wakes nobody while the sender keeps its tick or is busy (waking
         # it costs the training loop more than the capture): it goes with the next batch,
