@@ -53,10 +53,11 @@ def untrack_pending(pending: Pending) -> Pending:
     """Take a capture's own objects out of the cyclic garbage collector's lists (see
     ``_core.untrack``) and return it.
 
-    They live until the sender is done with them, a thousand at a time in a
-    flood, long enough to be moved to the oldest generation, and each full
-    collection walks every object of a job's (torch's are 170,000 of them):
-    tracked, they made one every 20,000 captures, 90 ms each. None of them can
+    For a capture that waits behind many others (a flood: a thousand at a
+    time) or holds many objects (see ``Channel._queue_up``): it lives long
+    enough to be moved to the oldest generation, and each full collection
+    walks every object of a job's (torch's are 170,000 of them): tracked,
+    such captures made one every 20,000 captures, 90 ms each. None of them can
     be in a reference cycle once its handle is resolved, which drops the one
     reference back (to the channel, whose queue holds the capture), and a
     channel resolves every handle it accepts. (A forked child keeps its copies
