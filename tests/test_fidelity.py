@@ -275,6 +275,24 @@ def test_a_strided_memoryview_arrives_as_its_bytes_in_order(server: thing.Server
             assert type(got) is bytes and got == view.tobytes(), (name, copy)
 
 
+def test_an_empty_array_arrives_whatever_its_other_extents(server: thing.Server) -> None:
+    """np.empty((0, 2**40)) holds nothing, but was refused as over the 64 GiB capture cap."""
+    run_script(
+        """
+        import numpy as np, torch, thing
+        for name, value in (("numpy", np.empty((0, 2**40))), ("torch", torch.empty(0, 2**40))):
+            handle = thing.catch(value, name=name)
+            assert handle.wait(10), handle.error
+        """,
+        server.port,
+    )
+    numpy_one, torch_one = server.get("numpy"), server.get("torch")
+    assert type(numpy_one) is np.ndarray and numpy_one.shape == (0, 2**40)
+    assert numpy_one.dtype == np.float64
+    assert type(torch_one) is torch.Tensor and torch_one.shape == (0, 2**40)
+    server.summary()  # and the REPL shows it
+
+
 def test_a_str_enum_and_a_large_bytearray_arrive_as_they_were_at_the_call(
         server: thing.Server) -> None:
     """A ``(str, Enum)`` member (transformers' config enums) travels as its text, not as

@@ -364,12 +364,18 @@ def test_extent_past_the_per_dimension_cap_is_refused() -> None:
         wire.decode_header(raw, 0, LIMITS)
 
 
-def test_shape_with_zero_extent_is_bounded_by_its_other_extents() -> None:
-    # Empty, but numpy would refuse to create it: the other extents must fit the limit.
-    with pytest.raises(LimitExceeded):
-        wire.decode_header(_header(leaves=[["numpy", "float32", [0, 1 << 62], False]]), 0, LIMITS)
-    assert wire.decode_header(_header(leaves=[["numpy", "float32", [0, 1000], False]]), 0,
-                              LIMITS).leaves[0].nbytes == 0
+def test_shape_with_zero_extent_is_bounded_by_what_numpy_can_make() -> None:
+    """Empty, an array holds nothing, whatever its other extents (np.empty((0, 2**40)) was
+    refused as over the capture cap); numpy refuses one whose other extents times the
+    item size reach 2**63."""
+    for shape in ([0, 1 << 62], [1 << 61, 0, 3]):
+        with pytest.raises(LimitExceeded, match="beyond what numpy can make"):
+            wire.decode_header(_header(leaves=[["numpy", "float32", shape, False]]), 0, LIMITS)
+    for shape in ([0, 1000], [0, 1 << 40], [1 << 58, 0, 7]):
+        decoded = wire.decode_header(_header(leaves=[["numpy", "float32", shape, False]]), 0,
+                                     LIMITS)
+        assert decoded.leaves[0].nbytes == 0
+        assert np.empty(shape, np.float32).size == 0  # numpy makes it
 
 
 def test_leaf_count_and_depth_limits() -> None:

@@ -102,6 +102,7 @@ SMALL_BYTES = 64 << 10
 
 _NDIM_MAX = 64
 _DIM_MAX = 1 << 62
+_NUMPY_MAX_BYTES = 1 << 63  # numpy's sizes are signed 64-bit
 # How deep a capture's containers may nest: deeper is refused when caught, and when received.
 MAX_DEPTH = 64
 
@@ -577,12 +578,14 @@ def _decode_leaves(raw: Any, limits: Limits) -> tuple[LeafSpec, ...]:
             raise ProtocolError(f"leaf shape {shape!r} has a bad extent")
         if not isinstance(scalar, bool) or (scalar and shape):
             raise ProtocolError("leaf scalar flag is invalid")
-        # Zero extents make an empty array, but numpy still refuses one whose other
-        # extents overflow, so those must fit too.
-        span = math.prod(extent for extent in shape if extent)
-        if span * CARRIER_DTYPES[dtype].itemsize > limits.max_capture_bytes:
-            raise LimitExceeded(f"leaf of shape {shape} exceeds {limits.max_capture_bytes} bytes "
-                                "(counting its non-zero extents only, as numpy must)")
+        # Zero extents make an empty array, which holds nothing; numpy still refuses one
+        # whose other extents, times the item size, overflow its sizes.
+        span = math.prod(extent for extent in shape if extent) * CARRIER_DTYPES[dtype].itemsize
+        if 0 in shape and span >= _NUMPY_MAX_BYTES:
+            raise LimitExceeded(f"empty leaf of shape {shape} is beyond what numpy can make "
+                                "(its non-zero extents times the item size reach 2**63)")
+        if 0 not in shape and span > limits.max_capture_bytes:
+            raise LimitExceeded(f"leaf of shape {shape} exceeds {limits.max_capture_bytes} bytes")
         specs.append(LeafSpec(framework, dtype, tuple(shape), scalar))
     return tuple(specs)
 
