@@ -229,6 +229,10 @@ def test_a_tensor_inside_torch_func_arrives_as_its_value_and_inside_vmap_says_wh
             caught(x * 2, "grad")
             caught(x * 3, "grad, copy=False", copy=False)
             caught(torch.func.grad(lambda y: (y ** 3).sum())(x), "grad of grad")
+            # Snapshotted through torch (strided, conjugate), in a dict: each of torch's own
+            # copies inside the transform was wrapped again, and "not sent" at its send.
+            caught({"t": x.reshape(2, 2).t(), "odd": x[1::2], "conj": (x * 1j).conj()},
+                   "grad, strided")
             return (x ** 2).sum()
 
         x = torch.arange(4.0)
@@ -238,9 +242,9 @@ def test_a_tensor_inside_torch_func_arrives_as_its_value_and_inside_vmap_says_wh
         """,
         server.port,
     )
-    assert out.splitlines()[:4] == ["grad None", "grad, copy=False None", "grad of grad None",
-                                    "jvp None"]
-    assert out.splitlines()[4].startswith("vmap not sent: cannot send a tensor inside "
+    assert out.splitlines()[:5] == ["grad None", "grad, copy=False None", "grad of grad None",
+                                    "grad, strided None", "jvp None"]
+    assert out.splitlines()[5].startswith("vmap not sent: cannot send a tensor inside "
                                           "torch.vmap: it stands for one example of a batch")
     x = torch.arange(4.0)
     for name, expected in (("grad", x * 2), ("grad, copy=False", x * 3),
@@ -248,6 +252,10 @@ def test_a_tensor_inside_torch_func_arrives_as_its_value_and_inside_vmap_says_wh
         got = server.get(name)
         assert type(got) is torch.Tensor and got.dtype == torch.float32, name
         assert got.numpy().tobytes() == expected.numpy().tobytes(), name
+    strided = server.get("grad, strided")
+    for key, expected in (("t", x.reshape(2, 2).t()), ("odd", x[1::2]),
+                          ("conj", (x * 1j).conj())):
+        assert torch.equal(strided[key], expected.resolve_conj()), key
     assert "vmap" in {notice.name for notice in server.store.unsent()}
 
 

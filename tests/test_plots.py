@@ -498,5 +498,10 @@ def test_many_ranks_are_drawn_as_their_median_and_range() -> None:
     figure_lines = line_data(plot_drawing.figure(drawn))[0]
     assert [label for label, _, _ in figure_lines] == ["loss ranks (median)"]
     assert len(chart(store, "loss", rank="all").panels[0].series) == 12
+    # Piped, twelve lines are more than there are symbols to draw them apart: in braille (it
+    # raised IndexError), their legend all there is to tell them apart.
+    every_rank = plot_drawing.text(chart(store, "loss", rank="all"), 80)
+    assert any("\u2800" <= char <= "\u28ff" for char in every_rank)  # braille
+    assert all(f"rank {rank}" in every_rank for rank in range(12))
     assert [s.label for s in chart(store, "loss", rank=3).panels[0].series] == ["loss"]
     assert "loss ranks (median)" in plot_drawing.text(drawn, 80)

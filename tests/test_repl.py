@@ -889,6 +889,11 @@ def test_a_number_and_its_unit_stay_on_one_line() -> None:
         lines = thing.display.wrap(text, width)
         assert " ".join(lines) == text
         assert not any(line.endswith(("1.2", "2.0", "12", "5")) for line in lines), lines
+    # Too narrow for both, they part at the space, as other words do: never a unit broken
+    # in two, a line begun or ended with a space, or one of a space alone.
+    assert thing.display.wrap("a 2.0 GiB cap", 5) == ["a 2.0", "GiB", "cap"]
+    assert thing.display.wrap("a 2.0 GiB cap", 3) == ["a", "2.0", "GiB", "cap"]
+    assert thing.display.wrap("1 B", 1) == ["1", "B"]
 
 
 def test_wrapping_narrower_than_its_indent_keeps_going() -> None:

@@ -292,9 +292,16 @@ def _snapshot_array(array: np.ndarray) -> bytes:
 def _hold_tensor(leaf: Leaf, tensor: Any, snapshot: bool) -> None:
     try:
         start = _check_memory(tensor, leaf.nbytes)
-    except _NoStorage:  # inside a torch.func transform: the value it wraps
-        tensor = leaf.source = _value_in_transform(tensor)
-        start = _check_memory(tensor, leaf.nbytes)
+    except _NoStorage:  # inside a torch.func transform: hold the value it wraps
+        value = _value_in_transform(tensor)
+        if value is tensor:
+            raise
+        leaf.source = value
+        # Held as outside the transform: inside it, every tensor torch makes (a snapshot's
+        # clone, a CUDA tensor's pinned copy) would be wrapped again.
+        with sys.modules["torch"]._C._DisableFuncTorch():
+            _hold_tensor(leaf, value, snapshot)
+        return
     on_cpu = tensor.is_cpu
     if not on_cpu and tensor.is_cuda:
         _copy_to_host(leaf, tensor)

@@ -85,7 +85,7 @@ def wrap(text: str, width: int, indent: str = "", first: str | None = None) -> l
     line = indent if first is None else first
     used, fresh = columns(line), True  # fresh: nothing on the line yet but its indent
     lines: list[str] = []
-    for word in _words(text):
+    for word in _words(text, width - max(used, columns(indent))):
         wide = columns(word)
         if not fresh and used + 1 + wide > width:
             lines.append(line)
@@ -110,11 +110,13 @@ def wrap(text: str, width: int, indent: str = "", first: str | None = None) -> l
 UNITS = frozenset({"B", "KiB", "MiB", "GiB", "TiB", "ns", "µs", "ms", "s", "min", "h", "%"})
 
 
-def _words(text: str) -> list[str]:
-    """The words ``text`` is broken at, a unit held to its number."""
+def _words(text: str, room: int) -> list[str]:
+    """The words ``text`` is broken at, a unit held to its number where both fit in
+    ``room`` columns (else a line too narrow for them would break the unit itself)."""
     words: list[str] = []
     for word in text.split():
-        if words and words[-1][-1].isdigit() and word.rstrip(",;:.)") in UNITS:
+        if (words and words[-1][-1].isdigit() and word.rstrip(",;:.)") in UNITS
+                and columns(words[-1]) + 1 + columns(word) <= room):
             words[-1] += " " + word
         else:
             words.append(word)

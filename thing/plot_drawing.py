@@ -266,8 +266,9 @@ def _uniplot(lines: list[tuple[str, np.ndarray, np.ndarray]], title: str, width:
     marks = _marks([high, low / 2 + high / 2, low])  # halved: -1e308 + 1e308 would overflow
     room = max(len(mark) for mark in marks) + 1
     # Without colour, braille lines all look alike: several are each drawn in a symbol of
-    # their own, which the legend shows, at a quarter of braille's resolution a row.
-    in_symbols = not color and len(kept) > 1
+    # their own, which the legend shows, at a quarter of braille's resolution a row (as
+    # many as there are symbols: uniplot has no more).
+    in_symbols = not color and 1 < len(kept) <= len(LINE_SYMBOLS)
     with np.errstate(all="ignore"):  # its label search overflows on ranges it then drops
         body = plot_to_string(
             [y for _, _, y in kept], [x for _, x, _ in kept], title=elide(title, width),
