@@ -44,8 +44,7 @@ class Capture:
 
     __slots__ = ("id", "name", "_value", "_tree", "_arrays", "leaves", "nbytes", "sender",
                  "received_at", "placed_at", "caught_at", "call_site", "consistent", "call",
-                 "given_step",
-                 "requested", "stats")
+                 "given_step", "requested", "stats")
 
     def __init__(self, id: int, name: str | None, value: Any, leaves: tuple[LeafSpec, ...],
                  nbytes: int, sender: Sender, received_at: float | None = None,

@@ -28,10 +28,10 @@ GAP = "  "  # between columns
 NOTEBOOK_TEXT_WIDTH = 120  # for a notebook's text/plain copy, which has no width of its own
 
 
-
 def counted(count: int, noun: str, plural: str | None = None) -> str:
     """``count`` and ``noun``, plural unless it is one: "1 segment", "3 segments"."""
     return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
 
 def terminal_width() -> int:
     """The width to fit text to: the terminal's, ``COLUMNS`` if set, else 80 (piped output)."""
