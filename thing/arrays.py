@@ -30,7 +30,7 @@ import numpy as np
 
 from ._core import bytes_at
 from .errors import InvalidValue, UnsupportedType
-from .log import log
+from .log import WARNING, LogOnce
 
 # The wire's byte order is little-endian: a tensor's memory is sent as it is only here.
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -663,7 +663,7 @@ def _as_numpy_dtype(name: str, received: np.ndarray) -> np.ndarray:
     if ml_dtypes is not None:
         return received.view(getattr(ml_dtypes, name))
     _warn_once(
-        name,
+        name, WARNING,
         f"received {name} data but neither torch nor ml_dtypes is installed here; "
         f"it is kept as raw {received.dtype} bits (describe() shows the real dtype)",
     )
@@ -674,13 +674,14 @@ def _to_jax(array: np.ndarray) -> Any:
     jax = _optional("jax")
     if jax is None:
         _warn_once(
-            "jax", "received jax arrays but jax is not installed here; they are numpy arrays"
+            "jax", WARNING,
+            "received jax arrays but jax is not installed here; they are numpy arrays",
         )
         return array
     if jax.dtypes.canonicalize_dtype(array.dtype) != array.dtype:
         # Without jax_enable_x64, jax would narrow 64-bit data (float64 -> float32) in silence.
         _warn_once(
-            f"jax-{array.dtype}",
+            f"jax-{array.dtype}", WARNING,
             f"received jax {array.dtype} data but jax_enable_x64 is off here; "
             "it is kept as a numpy array so that it is not narrowed",
         )
@@ -688,13 +689,7 @@ def _to_jax(array: np.ndarray) -> Any:
     return jax.numpy.asarray(array)
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message)
+_warn_once = LogOnce()
 
 
 def _optional(module: str) -> Any:

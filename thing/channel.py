@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import select
 import socket
@@ -42,7 +41,7 @@ from .dial import TRANSPORT_NAMES, dial
 from .errors import ProtocolError
 from .frames import Finished, Headers, Pending, Undelivered, new_pending, untrack_pending
 from .handles import CLOSED, NO_SERVER, QUEUE_FULL, CaptureHandle, busy, interrupting, working
-from .log import log
+from .log import ERROR, WARNING, LogOnce, log
 from .names import CallSite
 from .overrides import Overrides
 from .send_queue import SendQueue
@@ -141,8 +140,8 @@ class Channel:
         self.transport: str | None = None  # "tcp", "unix" or "shm" once connected
         self._closed = False
         self._finishing = False  # its client is gone: deliver what is queued, then end
-        self._warned: set[str] = set()
-        self._warned_at: dict[str, float] = {}  # monotonic, by key (see _log_rarely)
+        self._log_once = LogOnce()
+        self._log_rarely = LogOnce(per=WARN_SECONDS)
         # Until the first attempt to connect has failed, captures wait for it. While down,
         # catch() answers with down_handle: why the last attempt failed.
         self.down = False
@@ -385,7 +384,7 @@ class Channel:
                     sock, mac = self._connect()
                 except Exception as exc:  # the sender thread must outlive any failure
                     if not isinstance(exc, (OSError, ProtocolError)):
-                        self._log_once("connect", logging.ERROR,
+                        self._log_once("connect", ERROR,
                                        "unexpected error connecting to %s:%d", *self.address,
                                        exc_info=True)
                     self._set_down(exc)
@@ -446,13 +445,13 @@ class Channel:
                 self._learn_settings(answers)
             self._send_loop(sock, mac, answers)
         except ProtocolError as exc:  # the server broke its promise: reconnect
-            self._log_rarely("broke", "thing server at %s:%d: %s", *self.address, exc)
+            self._log_rarely("broke", WARNING, "thing server at %s:%d: %s", *self.address, exc)
         except OSError as exc:
             if not self._closed:
-                self._log_rarely("lost", "lost the thing server at %s:%d: %s", *self.address,
-                                 exc)
+                self._log_rarely("lost", WARNING, "lost the thing server at %s:%d: %s",
+                                 *self.address, exc)
         except Exception:  # a bug must not end the thread: reconnect and keep serving
-            self._log_once("send", logging.ERROR, "unexpected error sending to %s:%d; "
+            self._log_once("send", ERROR, "unexpected error sending to %s:%d; "
                            "reconnecting", *self.address, exc_info=True)
         finally:
             if self._closed:  # what has come is read; what has not will not be waited for
@@ -557,7 +556,7 @@ class Channel:
             pending.handle.resolve(None, why)
         if first_failure:
             if refused:  # one that takes the connection, then refuses, again and again
-                self._log_rarely("refused", "cannot use the thing server at %s:%d: %s",
+                self._log_rarely("refused", WARNING, "cannot use the thing server at %s:%d: %s",
                                  *self.address, reason)
             else:
                 log.debug("no thing server at %s:%d (%s); will keep trying", *self.address, reason)
@@ -719,7 +718,7 @@ class Channel:
         except Exception as exc:  # a leaf that cannot be read: fail this capture only
             reason = f"could not read the data: {exc}"
             self._finish(seq, None, f"not sent: {reason}", "failed")
-            self._log_once(f"send:{pending.name}", logging.WARNING,
+            self._log_once(f"send:{pending.name}", WARNING,
                            "thing could not send %r: %s", pending.name, exc)
             # The REPL hears of it as of a capture that failed at the call.
             self.tell_unsent(pending.name, pending.site, pending.rank,
@@ -784,7 +783,7 @@ class Channel:
             if exc.errno == errno.EFAULT:  # freed while copied: see torn()
                 self._finish(seq, None, MEMORY_FREED, "failed")
                 return True
-            self._log_once("shm", logging.WARNING,
+            self._log_once("shm", WARNING,
                            "shared memory unavailable (%s); sending inline", exc)
             return False
         try:
@@ -806,7 +805,7 @@ class Channel:
     # -- the server's messages -----------------------------------------------------
 
     def _ignored(self, exc: wire.BadControl) -> None:
-        self._log_once("control", logging.WARNING,
+        self._log_once("control", WARNING,
                        "thing server at %s:%d: ignored a control message: %s (further "
                        "ones are ignored without a word)", *self.address, exc)
 
@@ -881,20 +880,6 @@ class Channel:
             elif reason is not None:
                 room.undelivered[reason] += 1
         self._lock.notify_all()
-
-    def _log_rarely(self, key: str, message: str, *args: Any) -> None:
-        """A warning at most once a WARN_SECONDS for ``key``: a server that hangs up on
-        every connection would otherwise fill the job's log with one a second."""
-        now = time.monotonic()
-        if now - self._warned_at.get(key, -WARN_SECONDS) >= WARN_SECONDS:
-            self._warned_at[key] = now
-            log.warning(message, *args)
-
-    def _log_once(self, key: str, level: int, message: str, *args: Any,
-                  exc_info: bool = False) -> None:
-        if key not in self._warned and len(self._warned) < 1000:
-            self._warned.add(key)
-            log.log(level, message, *args, exc_info=exc_info)
 
 
 def _wake_descriptors() -> tuple[int, int]:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from . import _core, config
 from .errors import UnsupportedType
 from .handles import CLOSED, REENTERED, SKIPPED, CaptureHandle, busy, interrupting, working
-from .log import log
+from .log import WARNING, LogOnce, log
 from .names import CallSite, NameTracer
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ class Client:
         self._throttles.max_names = self._max_names
         self._names = NameTracer(max_sites=self._max_names,
                                  on_forget=self._throttles.forget_sites)
-        self._warned: set[str] = set()
+        self._warn_once = LogOnce()
         self._rank = rank = _ProcessRank()
         # What the REPL set (thing.every, thing.request, ...), kept across forks like the
         # throttles it overrides. Its channels hold it: nothing in it may hold the client,
@@ -293,8 +293,8 @@ class Client:
             try:
                 reason = (str(exc) if isinstance(exc, UnsupportedType)
                           else f"{type(exc).__name__}: {exc}")
-                self._warn_once(f"{type(exc).__name__}:{name}", "thing.catch(%s) failed: %s",
-                                name, reason)
+                self._warn_once(f"{type(exc).__name__}:{name}", WARNING,
+                                "thing.catch(%s) failed: %s", name, reason)
                 self._tell_server(server, name, site, obj, reason)
                 return CaptureHandle(name, f"not sent: {reason}")
             except Exception:  # an exception, or a name, that cannot even be put in words
@@ -444,11 +444,6 @@ class Client:
         """The path to the (default) server: "tcp", "unix" or "shm"; None before connecting."""
         channel = self._channels.get(server)
         return None if channel is None else channel.transport
-
-    def _warn_once(self, key: str, message: str, *args: Any) -> None:
-        if key not in self._warned and len(self._warned) < 1000:
-            self._warned.add(key)
-            log.warning(message, *args)
 
 
 _live_clients: weakref.WeakSet[Client] = weakref.WeakSet()

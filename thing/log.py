@@ -7,7 +7,13 @@ something goes wrong, so the logger (and the module) are made then.
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Hashable
 from typing import Any
+
+# logging's levels, named here so that choosing one does not import logging
+INFO, WARNING, ERROR = 20, 30, 40
 
 
 class _Logger:
@@ -27,3 +33,32 @@ class _Logger:
 
 
 log: Any = _Logger()
+
+
+class LogOnce:
+    """Logs a message of each kind (its ``key``) once, or once every ``per`` seconds;
+    the repeats go to debug. A job that loses its server every second, or a peer that
+    misbehaves on every connection, would otherwise fill the log.
+
+    At most ``MAX_KEYS`` keys are remembered; past that the memory starts over, so that
+    keys made of names or addresses cannot grow it without bound and a new kind of
+    message is never kept quiet.
+    """
+
+    MAX_KEYS = 1000
+
+    def __init__(self, per: float = math.inf):
+        self.per = per
+        self._logged_at: dict[Hashable, float] = {}
+
+    def __call__(self, key: Hashable, level: int, message: str, *args: Any,
+                 exc_info: bool = False) -> None:
+        now = time.monotonic()
+        logged_at = self._logged_at.get(key)
+        if logged_at is not None and now - logged_at < self.per:
+            log.debug(message, *args, exc_info=exc_info)
+            return
+        if len(self._logged_at) >= self.MAX_KEYS:
+            self._logged_at.clear()
+        self._logged_at[key] = now
+        log.log(level, message, *args, exc_info=exc_info)

@@ -37,7 +37,7 @@ from itertools import islice
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 from . import wire
-from .log import log
+from .log import INFO, LogOnce, log
 
 if TYPE_CHECKING:
     from ._core import Throttle, Throttles
@@ -260,7 +260,7 @@ class Overrides:
         self._connections: set[int] = set()  # ids of channels connected now
         self._expires_at: Optional[float] = None  # monotonic; once no connection is left
         self._server: Optional[str] = None  # the instance of the server the table is from
-        self._said: set[str] = set()
+        self._say_once = LogOnce()
 
     # -- the training thread ---------------------------------------------------------
 
@@ -338,7 +338,7 @@ class Overrides:
         on), then work out once what they change: a flood of statements for every name
         cost a job's sender the settings of every name at each (7 ms apiece)."""
         if not self.enabled:
-            self._say_once("ignored", "thing: ignoring the REPL's control messages "
+            self._say_once("ignored", INFO, "thing: ignoring the REPL's control messages "
                            "(THING_CONTROL=0 or Client(control=False))")
             return
         kept = True
@@ -372,7 +372,7 @@ class Overrides:
         log.debug("thing: the REPL set %s%s", messages[0],
                   f" and {len(messages) - 1} more" if len(messages) > 1 else "")
         if not kept:
-            self._say_once("full", f"thing: ignoring the REPL's settings for more than "
+            self._say_once("full", INFO, f"thing: ignoring the REPL's settings for more than "
                                    f"{MAX_STEERED_NAMES} names, or {MAX_RANKED_STATEMENTS} "
                                    "for single ranks")
 
@@ -472,7 +472,3 @@ class Overrides:
             if self._throttles is not None:
                 self._throttles.steered = self.active
 
-    def _say_once(self, key: str, message: str) -> None:
-        if key not in self._said:
-            self._said.add(key)
-            log.info(message)

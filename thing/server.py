@@ -9,7 +9,6 @@ functions, for programs that hold a :class:`Server` of their own.
 
 from __future__ import annotations
 
-import logging
 import os
 import secrets
 import socket
@@ -25,7 +24,7 @@ from .buffers import ReceiveBuffers
 from .captures import Capture, Sender, value_of
 from .errors import HandshakeError, ProtocolError, whole_number
 from .history_stats import StatsWorker
-from .log import log
+from .log import INFO, WARNING, LogOnce, log
 from .overrides import Statement
 from .sockets import (
     NO_OWNER,
@@ -115,7 +114,7 @@ class Server:
         self._lifecycle = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closing = threading.Event()
-        self._warned_at: dict[tuple[str, str], float] = {}
+        self._warnings = LogOnce(per=60)
         self.refused = 0  # connections turned away at the cap
         self._recorders: list[Recorder] = []
         self._stats_worker: StatsWorker | None = None  # while running
@@ -487,7 +486,7 @@ class Server:
         if make_room is not None:
             why = "idle the longest" if make_room.handshaken else "still in its handshake"
             self._warn_about(name, f"closed the connection of {make_room.address}, {why}, to "
-                             f"make room for {name}", logging.INFO, about="room")
+                             f"make room for {name}", INFO, about="room")
             _shutdown_reading(make_room.sock)
         self._spawn(self._serve_connection, f"thing-conn-{name}", connection)
 
@@ -555,19 +554,11 @@ class Server:
             steering=self.steering.instance,
         )
 
-    def _warn_about(self, address: str, message: str, level: int = logging.WARNING,
+    def _warn_about(self, address: str, message: str, level: int = WARNING,
                     about: str = "") -> None:
         """Log a peer's misbehaviour (or what befell it, ``about`` which); a peer retrying
         every second is logged once a minute."""
-        key = (address.rpartition(":")[0] or address, about)
-        now = time.monotonic()
-        if now - self._warned_at.get(key, -60.0) >= 60:
-            if len(self._warned_at) > 1000:
-                self._warned_at.clear()
-            self._warned_at[key] = now
-            log.log(level, message)
-        else:
-            log.debug(message)
+        self._warnings((address.rpartition(":")[0] or address, about), level, message)
 
 
 def _control_value(number: int, what: str, least: int = 1) -> int:
