@@ -44,7 +44,7 @@ def main() -> int:
     server, port = start_thing_server(history=True)
     os.environ.update(THING_SERVER="127.0.0.1", THING_PORT=str(port))
     import thing
-    from thing import wire
+    from thing import value_trees
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -66,9 +66,9 @@ def main() -> int:
         "catch(loss), name traced, sent": lambda loss: thing.catch(loss),
         "catch(loss, name='loss'), sent, sender asleep": (
             lambda loss: thing.catch(loss, name="loss")),
-        "  part: wire.take_apart(loss)": wire.take_apart,
+        "  part: value_trees.take_apart(loss)": value_trees.take_apart,
         "  part: take_apart + snapshot (hold)": (
-            lambda loss: wire.take_apart(loss).hold(None, client.snapshot_bytes)),
+            lambda loss: value_trees.take_apart(loss).hold(None, client.snapshot_bytes)),
         "  part: the rank at the call": lambda loss: client._rank.read(),
     }
     channel = client._channels[None]

@@ -127,9 +127,9 @@ client.close()
 
 def frame_size() -> int:
     """Bytes thing sends for one capture of VALUE: prefix, header, payload and trailer."""
-    from thing import wire
+    from thing import value_trees, wire
 
-    payload = wire.take_apart(VALUE)
+    payload = value_trees.take_apart(VALUE)
     meta = {"site": "train.py:42 (step)", "rank": 0, "world_size": 2}
     header = wire.encode_header("s", payload, meta)
     return wire.FRAME_PREFIX.size + len(header) + VALUE.nbytes + wire.FRAME_TRAILER.size
@@ -289,13 +289,13 @@ def server_alone(count: int, **env: str) -> tuple[float, float]:
     the server's environment given ``env`` (``THING_PUREPYTHON="1"``: the twin)."""
     import threading
 
-    from thing import wire
+    from thing import value_trees, wire
     from thing.arrays import leaf_bytes
 
     server = subprocess.Popen([sys.executable, "-c", THING_RECEIVER], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=child_env(**env))
     port = int(server.stdout.readline())
-    payload = wire.take_apart(VALUE)
+    payload = value_trees.take_apart(VALUE)
     header = wire.encode_header("s", payload, {"site": "train.py:42 (step)", "rank": 0,
                                                "world_size": 2})
     data, trailer = bytes(leaf_bytes(payload.leaves[0])), wire.encode_trailer(False)

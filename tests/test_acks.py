@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 import thing
-from thing import wire
+from thing import value_trees, wire
 from thing.channel import MAX_IN_FLIGHT
 from thing.sockets import connect, set_timeouts
 from thing.stream import StreamReader
@@ -358,7 +358,7 @@ def test_a_refused_claim_read_past_a_byte_now_and_then_is_cut_off() -> None:
     server.idle_timeout, server.min_rate = 1.0, 1 << 20
     server.start()
     try:
-        header = wire.encode_header("huge", wire.take_apart(np.zeros(4, np.uint8)), {})
+        header = wire.encode_header("huge", value_trees.take_apart(np.zeros(4, np.uint8)), {})
         with _handshaken(server.port, "claims") as peer:
             peer.sendall(wire.encode_prefix(header, 1 << 62, 0, 0.0) + header)
             started = time.monotonic()

@@ -146,7 +146,7 @@ def test_server_killed_while_a_client_streams(backend: str, processes) -> None:
 HALF_FRAME = """
 import os, socket, sys
 import numpy as np
-from thing import wire
+from thing import value_trees, wire
 sock = socket.create_connection(("127.0.0.1", int(os.environ["THING_PORT"])), timeout=10)
 sock.sendall(wire.encode_handshake({"hostname": "half-frame", "pid": os.getpid()}))
 reply = b""
@@ -157,7 +157,7 @@ assert status == wire.HANDSHAKE_OK
 while length:
     length -= len(sock.recv(length))
 array = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
-payload = wire.take_apart({"half": array})
+payload = value_trees.take_apart({"half": array})
 header = wire.encode_header("half", payload, {})
 prefix = wire.encode_prefix(header, payload.nbytes, 0, 0.0)
 if os.environ["STOP_IN"] == "header":

@@ -505,11 +505,11 @@ def test_a_large_jax_array_caught_then_donated_to_the_next_step_arrives(
 def test_a_tensor_moved_into_shared_memory_while_it_is_read_is_marked() -> None:
     """share_memory_() counts no version: it copies the storage and frees the memory the
     sender is reading (a DataLoader worker's queue does it to the sample it returns)."""
-    from thing import wire
+    from thing import value_trees
     from thing.arrays import leaf_bytes, torn
 
     tensor = torch.arange(float(1 << 16))  # 256 KiB: read in place
-    payload = wire.take_apart(tensor)
+    payload = value_trees.take_apart(tensor)
     payload.hold(copy=None, snapshot_bytes=1 << 16)
     (leaf,) = payload.leaves
     view = leaf_bytes(leaf)  # the sender begins to read
@@ -562,10 +562,10 @@ def test_what_a_large_jax_array_is_held_as_at_the_call() -> None:
         """
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import NamedSharding, PartitionSpec
-        from thing import wire
+        from thing import value_trees
 
         def held(value, copy=None):
-            payload = wire.take_apart(value)
+            payload = value_trees.take_apart(value)
             payload.hold(copy=copy, snapshot_bytes=1 << 16)
             return payload.leaves[0].source
 

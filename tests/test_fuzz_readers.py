@@ -44,7 +44,7 @@ import numpy as np
 import pytest
 
 import thing
-from thing import auth, dial, recording, reports, shm, wire
+from thing import auth, dial, recording, reports, shm, value_trees, wire
 from thing.answers import Answers
 from thing.arrays import LeafSpec
 from thing.buffers import ReceiveBuffers
@@ -445,7 +445,7 @@ def shared_memory_frame(rng: random.Random) -> tuple[bytes, int]:
     """A KIND_SHARED_MEMORY frame (prefix, header, trailer) and the size of its memfd."""
     value = rng.choice([np.arange(6, dtype=np.float32).reshape(2, 3), np.zeros(4096, np.uint8),
                         {"a": np.ones(3), "b": [np.arange(4, dtype=np.int64)]}])
-    payload = wire.take_apart(value)
+    payload = value_trees.take_apart(value)
     header = wire.encode_header("shm", payload, {})
     prefix = wire.encode_prefix(header, payload.nbytes, 0, 0.0, wire.KIND_SHARED_MEMORY)
     return prefix + header + wire.encode_trailer(False), shm.layout(
@@ -647,7 +647,7 @@ def test_notices_announcements_and_meta_raise_only_protocol_errors() -> None:
 
 
 def test_sparse_tensors_with_mutated_indices_raise_only_protocol_errors() -> None:
-    """wire.check_received and arrays.sparse_tensor read index bytes a peer chose; the seeds
+    """value_trees.check_received and arrays.sparse_tensor read index bytes a peer chose; the seeds
     of tests/test_fuzz.py hold no sparse tensor."""
     torch = pytest.importorskip("torch")
     import warnings

@@ -33,7 +33,7 @@ import pytest
 
 import thing
 import thing.sockets
-from thing import shm, wire
+from thing import shm, value_trees, wire
 from thing.errors import HandshakeError
 from thing.sockets import connect, connect_unix, is_this_host, listen_unix, unix_socket_path
 from thing.store import HistoryStore
@@ -858,7 +858,7 @@ def sealed_memfd(data: bytes, size: int | None = None, seals: int | None = None)
 
 def frame_message(array: np.ndarray, kind: int, seq: int = 0) -> bytes:
     """Prefix, header and trailer of a frame carrying ``array``; no payload."""
-    payload = wire.take_apart(array)
+    payload = value_trees.take_apart(array)
     header = wire.encode_header("raw", payload, {})
     return (wire.encode_prefix(header, payload.nbytes, seq, 0.0, kind) + header
             + wire.encode_trailer(False))

@@ -29,7 +29,7 @@ import pytest
 
 import thing
 import thing.auth
-from thing import auth, config, wire
+from thing import auth, config, value_trees, wire
 from thing.arrays import leaf_bytes
 from thing.store import HistoryStore
 
@@ -45,7 +45,7 @@ from .conftest import free_port, poll, run_script, script_env, start_script
 def frame_bytes(value: Any, name: str | None = "x", seq: int = 0,
                 meta: dict | None = None) -> bytes:
     """One complete, valid capture frame as a client would send it."""
-    payload = wire.take_apart(value)
+    payload = value_trees.take_apart(value)
     header = wire.encode_header(name, payload, meta or {})
     data = b"".join(bytes(leaf_bytes(leaf)) for leaf in payload.leaves)
     return (wire.encode_prefix(header, payload.nbytes, seq, 0.0) + header + data
@@ -723,12 +723,12 @@ def test_running_out_of_file_descriptors_does_not_spin_the_accept_loop(tmp_path:
 PEER_TEXT = r"""
 import json, socket, sys
 import numpy as np, thing
-from thing import wire
+from thing import value_trees, wire
 field, evil = sys.argv[1], sys.argv[2].encode().decode("unicode_escape")
 server = thing.Server(port=0).start()
 peer = socket.create_connection(("127.0.0.1", server.port), timeout=10)
 peer.sendall(wire.encode_handshake({"hostname": evil if field == "hostname" else "h", "pid": 1}))
-payload = wire.take_apart(evil if field == "value" else np.arange(3))
+payload = value_trees.take_apart(evil if field == "value" else np.arange(3))
 header = wire.encode_header(evil if field == "name" else "n", payload,
                             {"site": evil} if field == "site" else {})
 data = b"".join(bytes(memoryview(leaf.source).cast("B")) for leaf in payload.leaves)
@@ -773,7 +773,7 @@ def test_numbers_and_text_a_peer_chooses_cannot_widen_the_summary(monkeypatch, c
         peer = socket.create_connection(("127.0.0.1", server.port), timeout=10)
         peer.sendall(wire.encode_handshake({"hostname": "raw-peer", "pid": huge}))
         assert recv_handshake(peer)[0] == wire.HANDSHAKE_OK
-        announcement = wire.encode_header("asked", wire.Payload(None, [], 0), {
+        announcement = wire.encode_header("asked", value_trees.Payload(None, [], 0), {
             "on_demand": {"type": "T" * 200, "shape": [2**61] * 64, "dtype": "D" * 40}})
         with peer:
             peer.sendall(frame_bytes(np.float32(1.0), "loss", 0,

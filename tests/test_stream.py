@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import thing
-from thing import _core, wire
+from thing import _core, value_trees, wire
 from thing._core import fallback
 from thing.errors import ProtocolError
 from thing.receiver import CACHED_HEADER_MAX, HEADER_CACHE_BYTES
@@ -164,7 +164,7 @@ def _connection(server: thing.Server) -> object:
 
 def test_a_repeated_header_is_validated_once_and_each_frame_keeps_its_own_time(
         server: thing.Server) -> None:
-    payload = wire.take_apart(np.arange(6, dtype=np.float32))
+    payload = value_trees.take_apart(np.arange(6, dtype=np.float32))
     header = wire.encode_header("loss", payload, {"site": "train.py:1 (step)"})
     with raw_peer(server.port) as peer:
         peer.sendall(b"".join(
@@ -197,15 +197,15 @@ def test_a_refused_header_holds_no_budget_while_its_payload_is_discarded(
     that trickles that payload holds nothing meanwhile."""
     caplog.set_level(logging.DEBUG, logger="thing")
     payload = bytes(1 << 20)
-    frame = _frame(wire.encode_header(7, wire.take_apart(payload), {}), payload, 0, 0.0)
+    frame = _frame(wire.encode_header(7, value_trees.take_apart(payload), {}), payload, 0, 0.0)
     cut = len(frame) - len(payload) // 2
     with raw_peer(server.port) as peer:
         peer.sendall(frame[:cut])
         poll(lambda: "refused a capture" in caplog.text, what="the refusal")
         assert server._header_budget._used == 0
         after = np.float32([1.5])
-        peer.sendall(frame[cut:] + _frame(wire.encode_header("after", wire.take_apart(after), {}),
-                                          after.tobytes(), 1, 0.0))
+        header = wire.encode_header("after", value_trees.take_apart(after), {})
+        peer.sendall(frame[cut:] + _frame(header, after.tobytes(), 1, 0.0))
         poll(lambda: server.store.received == 1, what="the frame after it")
     assert server.get("after").tobytes() == after.tobytes()
 
@@ -214,7 +214,7 @@ def test_the_header_cache_of_a_connection_is_bounded(server: thing.Server) -> No
     array = np.arange(2, dtype=np.float32)
     frames = []
     for i in range(1500):
-        payload = wire.take_apart(array)
+        payload = value_trees.take_apart(array)
         header = wire.encode_header(f"name-{i:05d}-" + "x" * 200, payload, {})
         frames.append(_frame(header, array.tobytes(), i, time.time()))
     long_header = json.dumps({"name": "long", "value": {"leaf": 0}, "meta": {"pad": "p" * 4000},
@@ -230,7 +230,7 @@ def test_the_header_cache_of_a_connection_is_bounded(server: thing.Server) -> No
         assert server._header_budget._used == connection._headers_cost
         # Full, it keeps the newest: a header seen from now on (a sender's counts of what it
         # could not deliver changed its headers once) is kept, the oldest forgotten.
-        steady = wire.encode_header("steady", wire.take_apart(array), {})
+        steady = wire.encode_header("steady", value_trees.take_apart(array), {})
         peer.sendall(_frame(steady, array.tobytes(), 1501, time.time()))
         poll(lambda: server.store.received == 1502, what="the steady name")
         assert steady in connection._headers

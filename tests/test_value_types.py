@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from thing import arrays, wire
+from thing import arrays, value_trees, wire
 from thing.arrays import LeafSpec, describe_leaf, leaf_bytes
 from thing.buffers import ReceiveBuffers
 from thing.errors import ProtocolError, UnsupportedType
@@ -40,9 +40,9 @@ def _nan(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<Q", bits))[0]
 
 
-def _receive(value: Any) -> wire.ReceivedValue:
+def _receive(value: Any) -> value_trees.ReceivedValue:
     """What a client sends for ``value`` and a server's connection thread makes of it."""
-    payload = wire.take_apart(value)
+    payload = value_trees.take_apart(value)
     header = wire.encode_header("value", payload, {})
     decoded = wire.decode_header(header, payload.nbytes, LIMITS)
     buffers = ReceiveBuffers(max_bytes=64 << 20)
@@ -51,7 +51,7 @@ def _receive(value: Any) -> wire.ReceivedValue:
         destination = buffers.array(spec)
         destination.reshape(-1).view(np.uint8)[:] = np.frombuffer(leaf_bytes(leaf), np.uint8)
         received.append(destination)
-    return wire.ReceivedValue(decoded.tree, decoded.leaves, received)
+    return value_trees.ReceivedValue(decoded.tree, decoded.leaves, received)
 
 
 def _round_trip(value: Any) -> Any:
@@ -106,7 +106,8 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
                for name in (compressed, plain, "values"))
 
 
-def _built_without_torch(received: wire.ReceivedValue, monkeypatch: pytest.MonkeyPatch) -> Any:
+def _built_without_torch(received: value_trees.ReceivedValue,
+                         monkeypatch: pytest.MonkeyPatch) -> Any:
     """``received`` built where torch is not installed (the sender had it)."""
     monkeypatch.setattr(arrays, "_torch", lambda: None)
     return received.build()
@@ -162,7 +163,7 @@ def test_a_number_subclass_travels_as_its_own_value_whatever_its_methods_say() -
 
 
 def test_str_keyed_dicts_are_encoded_as_before() -> None:
-    payload = wire.take_apart({"a": 1, "b": [2]})
+    payload = value_trees.take_apart({"a": 1, "b": [2]})
     assert payload.tree == {"dict": [["a", 1], ["b", {"list": [2]}]]}
 
 
@@ -171,7 +172,7 @@ def test_str_keyed_dicts_are_encoded_as_before() -> None:
     ids=repr)
 def test_unsupported_dict_keys_are_refused_with_one_line(key: Any) -> None:
     with pytest.raises(UnsupportedType, match="dict keys must be") as caught:
-        wire.take_apart({key: 1})
+        value_trees.take_apart({key: 1})
     assert "\n" not in str(caught.value)
 
 
@@ -191,7 +192,7 @@ def test_complex_numbers_round_trip_bit_for_bit(number: complex) -> None:
 
 def test_complex_arrays_and_numpy_scalars_still_travel_as_leaves() -> None:
     value = [np.complex128(1 + 2j), np.array([1j], np.complex64)]
-    assert len(wire.take_apart(value).leaves) == 2
+    assert len(value_trees.take_apart(value).leaves) == 2
     assert _same(_round_trip(value), value)
 
 
@@ -224,7 +225,7 @@ def test_sets_arrive_as_the_same_type(value: set | frozenset) -> None:
     ids=repr)
 def test_set_items_that_cannot_travel_are_refused_with_one_line(value: Any) -> None:
     with pytest.raises(UnsupportedType, match="a set can hold") as caught:
-        wire.take_apart(value)
+        value_trees.take_apart(value)
     assert "\n" not in str(caught.value)
 
 
@@ -233,7 +234,7 @@ def test_frozensets_nested_past_the_limit_are_refused() -> None:
     for _ in range(wire.Limits().max_depth):
         value = frozenset({value})
     with pytest.raises(UnsupportedType, match="deeply"):
-        wire.take_apart(value)
+        value_trees.take_apart(value)
 
 
 # -- torch.Size -------------------------------------------------------------------------------
@@ -304,7 +305,7 @@ def test_sparse_tensors_arrive_as_the_same_sparse_tensor(name: str) -> None:
 
 def test_a_sparse_tensor_travels_as_its_dense_parts() -> None:
     tensor = SPARSE["coo uncoalesced, duplicates"]
-    payload = wire.take_apart(tensor)
+    payload = value_trees.take_apart(tensor)
     assert payload.tree == {"sparse": {"layout": "sparse_coo", "size": [3, 4], "coalesced": False,
                                        "indices": {"leaf": 0}, "values": {"leaf": 1}}}
     assert [leaf.spec for leaf in payload.leaves] == [
@@ -314,10 +315,10 @@ def test_a_sparse_tensor_travels_as_its_dense_parts() -> None:
 
 def test_a_sparse_tensor_changed_after_a_snapshot_is_sent_as_it_was() -> None:
     tensor = SPARSE["coo coalesced"].clone()
-    payload = wire.take_apart(tensor)
+    payload = value_trees.take_apart(tensor)
     payload.hold(copy=True, snapshot_bytes=0)
     tensor._values().mul_(0)
-    received = wire.build_value(payload.tree, [np.frombuffer(leaf_bytes(leaf), np.uint8)
+    received = value_trees.build_value(payload.tree, [np.frombuffer(leaf_bytes(leaf), np.uint8)
                                                for leaf in payload.leaves])
     assert received["values"].tobytes() == SPARSE["coo coalesced"]._values().numpy().tobytes()
 
@@ -341,7 +342,7 @@ def test_sparse_tensors_arrive_as_their_parts_without_torch(
 def test_what_a_connection_thread_builds_needs_no_torch() -> None:
     """The store measures a value on the connection thread: sizes and sparse tensors stay plain."""
     received = _receive({"shape": torch.Size([4, 4]), "t": SPARSE["csr"]})
-    measured = wire.build_value(received.tree, [b""] * len(received.specs))
+    measured = value_trees.build_value(received.tree, [b""] * len(received.specs))
     assert measured == {"shape": (4, 4), "t": {"layout": "sparse_csr", "size": (4, 4),
                                                "crow_indices": b"", "col_indices": b"",
                                                "values": b""}}
@@ -349,7 +350,7 @@ def test_what_a_connection_thread_builds_needs_no_torch() -> None:
 
 def test_other_tensor_layouts_are_refused_with_one_line() -> None:
     with pytest.raises(UnsupportedType, match="layout torch._mkldnn") as caught:
-        wire.take_apart({"m": torch.zeros(2).to_mkldnn()})
+        value_trees.take_apart({"m": torch.zeros(2).to_mkldnn()})
     assert "\n" not in str(caught.value)
 
 
@@ -377,18 +378,18 @@ def test_numpy_structured_scalars_arrive_as_dicts_of_their_fields() -> None:
 def test_numpy_structured_scalars_with_fields_that_cannot_travel_are_refused() -> None:
     record = np.zeros((), [("when", "M8[s]")])[()]
     with pytest.raises(UnsupportedType):
-        wire.take_apart(record)
+        value_trees.take_apart(record)
     # A bytes field is a np.bytes_, which travels as the bytes it is.
     assert _round_trip(np.array((b"ab",), [("raw", "S3")])[()]) == {"raw": b"ab"}
     with pytest.raises(UnsupportedType):
-        wire.take_apart(np.zeros(2, [("a", "f4")]))  # structured arrays do not travel
+        value_trees.take_apart(np.zeros(2, [("a", "f4")]))  # structured arrays do not travel
 
 
 def test_a_masked_array_is_refused_rather_than_sent_without_its_mask() -> None:
     masked = np.ma.masked_array([1.0, -999.0, 3.0], mask=[False, True, False])
     for value in (masked, {"m": [masked]}, masked[0:1]):
         with pytest.raises(UnsupportedType, match="masked array: its mask would be lost"):
-            wire.take_apart(value)
+            value_trees.take_apart(value)
     assert _same(_round_trip(masked.filled(0.0)), np.array([1.0, 0.0, 3.0]))
 
 
@@ -397,7 +398,7 @@ def test_an_arbitrary_object_is_refused_with_one_line_naming_it() -> None:
         pass
 
     with pytest.raises(UnsupportedType) as caught:
-        wire.take_apart({"opt": Optimizer()})
+        value_trees.take_apart({"opt": Optimizer()})
     message = str(caught.value)
     assert "Optimizer" in message and "dicts" in message and "\n" not in message
 
@@ -611,7 +612,8 @@ def _built(value: Any, parts: list[np.ndarray]) -> Any:
     leaves = [["torch", part.dtype.name, list(part.shape), False] for part in parts]
     raw, payload_len = _header(value, leaves)
     header = wire.decode_header(raw, payload_len, LIMITS)
-    return wire.ReceivedValue(header.tree, header.leaves, [part.copy() for part in parts]).build()
+    copies = [part.copy() for part in parts]
+    return value_trees.ReceivedValue(header.tree, header.leaves, copies).build()
 
 
 def _coo(indices: list, coalesced: bool = False) -> tuple[dict, list[np.ndarray]]:
@@ -694,8 +696,8 @@ def test_mutated_value_nodes_raise_only_protocol_errors(rng: Any, value: Any) ->
     try:
         header = wire.decode_header(raw, sum(spec.nbytes for spec in received.specs), LIMITS)
         arrays_ = [ReceiveBuffers(0).array(spec) for spec in header.leaves]
-        wire.ReceivedValue(header.tree, header.leaves, arrays_).build()
-        wire.build_value(header.tree, [b""] * len(header.leaves))
+        value_trees.ReceivedValue(header.tree, header.leaves, arrays_).build()
+        value_trees.build_value(header.tree, [b""] * len(header.leaves))
     except ProtocolError:
         pass
 
@@ -735,4 +737,5 @@ def test_keys_that_share_one_hash_are_refused_at_once(node) -> None:
 def test_sets_and_int_keyed_dicts_of_ordinary_values_are_fine() -> None:
     node = {"set": list(range(5000))}
     raw = json.dumps({"name": "x", "value": node, "leaves": [], "meta": {}}).encode()
-    assert wire.build_value(wire.decode_header(raw, 0, wire.Limits()).tree, []) == set(range(5000))
+    tree = wire.decode_header(raw, 0, wire.Limits()).tree
+    assert value_trees.build_value(tree, []) == set(range(5000))

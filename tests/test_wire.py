@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from thing import wire
+from thing import value_trees, wire
 from thing.arrays import CARRIER_DTYPES, describe_leaf, finish, leaf_bytes
 from thing.buffers import ReceiveBuffers
 from thing.errors import HandshakeError, LimitExceeded, ProtocolError, UnsupportedType
@@ -29,7 +29,7 @@ LIMITS = wire.Limits(max_capture_bytes=1 << 30, max_header_bytes=1 << 20)
 
 def _send_and_receive(value: Any, limits: wire.Limits = LIMITS) -> Any:
     """Everything a client and a server do to a value, minus the socket."""
-    payload = wire.take_apart(value)
+    payload = value_trees.take_apart(value)
     header = wire.encode_header("name", payload, {"site": "here"})
     prefix = wire.decode_prefix(wire.encode_prefix(header, payload.nbytes, 7, 1.5))
     header_len, payload_len = prefix.header_len, prefix.payload_len
@@ -45,7 +45,7 @@ def _send_and_receive(value: Any, limits: wire.Limits = LIMITS) -> Any:
         destination.reshape(-1).view(np.uint8)[:] = np.frombuffer(leaf_bytes(leaf), np.uint8)
         received.append(finish(spec, destination))
     assert wire.decode_trailer(wire.encode_trailer(False)) is False
-    return wire.build_value(decoded.tree, received)
+    return value_trees.build_value(decoded.tree, received)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -193,11 +193,11 @@ def test_nesting_up_to_the_limit_round_trips_and_deeper_is_refused() -> None:
     deepest = nest(wire.Limits().max_depth)  # items sit exactly at the limit
     assert _same(_send_and_receive(deepest), deepest)
     with pytest.raises(UnsupportedType):
-        wire.take_apart(nest(wire.Limits().max_depth + 1))
+        value_trees.take_apart(nest(wire.Limits().max_depth + 1))
     looped: list[Any] = []
     looped.append(looped)
     with pytest.raises(UnsupportedType):
-        wire.take_apart(looped)
+        value_trees.take_apart(looped)
 
 
 @pytest.mark.parametrize(
@@ -208,15 +208,15 @@ def test_nesting_up_to_the_limit_round_trips_and_deeper_is_refused() -> None:
 )
 def test_unsupported_values_are_refused_on_the_sending_side(value: Any) -> None:
     with pytest.raises(UnsupportedType):
-        wire.take_apart(value)
+        value_trees.take_apart(value)
 
 
 def test_take_apart_touches_no_array_data() -> None:
     array = np.arange(10.0)
-    payload = wire.take_apart({"a": array})
+    payload = value_trees.take_apart({"a": array})
     assert payload.leaves[0].source is array  # a reference, not a copy
     assert payload.nbytes == array.nbytes
-    snapshot = wire.take_apart(array)
+    snapshot = value_trees.take_apart(array)
     snapshot.hold(copy=True, snapshot_bytes=0)
     array[:] = -1
     assert np.array_equal(np.frombuffer(leaf_bytes(snapshot.leaves[0]), np.float64),
@@ -500,8 +500,8 @@ def test_nested_frozensets_are_checked_in_one_pass(monkeypatch: pytest.MonkeyPat
     """Each inner frozenset was built again at every level above it to check its hash: a
     1 MiB header 64 deep took the receiver 6 s. Each item is made once now, bottom up."""
     built = []
-    build_value = wire.build_value
-    monkeypatch.setattr(wire, "build_value",
+    build_value = value_trees.build_value
+    monkeypatch.setattr(value_trees, "build_value",
                         lambda *args, **kwargs: built.append(1) or build_value(*args, **kwargs))
     value: Any = {"frozenset": [""] * 10_000 + [{"complex": [1.0, 2.0]}]}
     for _ in range(60):

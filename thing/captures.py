@@ -17,7 +17,7 @@ import numpy as np
 
 from .arrays import CARRIER_DTYPES, LeafSpec, leaf_bytes
 from .log import log
-from .wire import ReceivedValue, take_apart
+from .value_trees import ReceivedValue, take_apart
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Capture:
     ``consistent`` is False when the sender saw the data change between the
     ``catch()`` call and the end of its send (a torch tensor updated in place
     while it was read in place): the value may be a later one, or a mix of two.
-    ``value`` is built on first access (see :class:`thing.wire.ReceivedValue`).
+    ``value`` is built on first access (see :class:`thing.value_trees.ReceivedValue`).
     """
 
     __slots__ = ("id", "name", "_value", "_tree", "_arrays", "leaves", "nbytes", "sender",

@@ -46,6 +46,7 @@ from .names import CallSite
 from .overrides import Overrides
 from .send_queue import SendQueue
 from .sockets import is_this_host, shutdown
+from .value_trees import Payload, caught_type, take_apart, type_name
 
 # Captures below wire.SMALL_BYTES are sent together, once a tick of TICK_SECONDS, at most
 # BATCH at a time: delivery up to a tick later, for far fewer thread wake-ups (each costs
@@ -174,7 +175,7 @@ class Channel:
         (see :meth:`_enqueue`). Raises :class:`UnsupportedType` for what cannot travel."""
         caught_at = time.time()
         # Every field given, so the tuple is made directly (see frames.Pending).
-        pending = new_pending(Pending, (name, wire.take_apart(obj), site, caught_at, rank,
+        pending = new_pending(Pending, (name, take_apart(obj), site, caught_at, rank,
                                         CaptureHandle(name, None, self._hurry), None, call,
                                         step, requested))
         return self._enqueue(pending, block, copy, snapshot_bytes)
@@ -183,7 +184,7 @@ class Channel:
                  rank: tuple[int | None, int | None], obj: Any) -> None:
         """Tell the server (no data) that ``name`` is caught on demand: its type, shape and
         dtype, so the REPL sees what it may ask for; told again on each new connection."""
-        notice = Pending(name, wire.Payload(None, [], 0), site, time.time(), rank,
+        notice = Pending(name, Payload(None, [], 0), site, time.time(), rank,
                          CaptureHandle(name), {"on_demand": _looks(obj)})
         with self._mutex:
             if name not in self._on_demand and len(self._on_demand) >= MAX_TOLD:
@@ -200,7 +201,7 @@ class Channel:
 
     def tell_unsent(self, name: str | None, site: CallSite | None,
                     rank: tuple[int | None, int | None], kind: str, reason: str) -> None:
-        """Queue a notice (no data) that a capture of type ``kind`` (``wire.type_name``)
+        """Queue a notice (no data) that a capture of type ``kind`` (``value_trees.type_name``)
         could not be sent, and why.
 
         Once per name and reason on each connection (a server that restarted hears
@@ -212,7 +213,7 @@ class Channel:
             told = self._told
             if (name, reason) in told or len(told) >= MAX_TOLD:
                 return
-        notice = Pending(name, wire.Payload(None, [], 0), site, time.time(), rank,
+        notice = Pending(name, Payload(None, [], 0), site, time.time(), rank,
                          CaptureHandle(name),
                          {"unsent": {"type": kind, "reason": reason}})
         if self._enqueue(notice, False, False, 0) is notice.handle:
@@ -654,7 +655,7 @@ class Channel:
         the exception (see _hold_room_until_answered).
         """
         together: list[Any] = []
-        sent: list[wire.Payload] = []
+        sent: list[Payload] = []
         held = 0  # the frames from batch[held] on still hold their room
         answered_for: set[int] = set()  # frames whose room comes back with their answer
 
@@ -722,7 +723,7 @@ class Channel:
                            "thing could not send %r: %s", pending.name, exc)
             # The REPL hears of it as of a capture that failed at the call.
             self.tell_unsent(pending.name, pending.site, pending.rank,
-                             wire.caught_type(payload.tree, [leaf.spec for leaf in payload.leaves]),
+                             caught_type(payload.tree, [leaf.spec for leaf in payload.leaves]),
                              reason)
             return None
         prefix = wire.encode_prefix(header, payload.nbytes, seq, pending.caught_at,
@@ -913,7 +914,7 @@ def _resolve(finished: list[Finished]) -> None:
 def _looks(obj: Any) -> dict[str, Any]:
     """What a capture of ``obj`` would be, without touching its data: its type, and its
     shape and dtype when it has them."""
-    looks: dict[str, Any] = {"type": wire.type_name(obj)}
+    looks: dict[str, Any] = {"type": type_name(obj)}
     try:
         shape = getattr(obj, "shape", None)
         if shape is not None:

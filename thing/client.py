@@ -329,7 +329,7 @@ class Client:
         """Tell the server (no data) that a capture could not be sent, so that the REPL can
         say what went missing and why; see :meth:`Channel.tell_unsent`."""
         try:
-            from .wire import type_name  # loaded with the first channel; not at teardown
+            from .value_trees import type_name  # loaded with the first channel; not at teardown
 
             channel = self._channels.get(server)
             if channel is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
-from . import auth, wire
+from . import auth, value_trees, wire
 from ._core import untrack
 from .handles import CaptureHandle
 from .names import CallSite
@@ -32,7 +32,7 @@ class Pending(NamedTuple):
     """
 
     name: str | None
-    payload: wire.Payload
+    payload: value_trees.Payload
     site: CallSite | None
     caught_at: float
     rank: tuple[int | None, int | None]  # (rank, world size) at the call
@@ -88,7 +88,7 @@ class Headers:
         """A capture's header: for a single array, the one encoded before for the same key,
         if any."""
         payload = pending.payload
-        if payload.tree is not wire.SINGLE_LEAF or pending.notice is not None:
+        if payload.tree is not value_trees.SINGLE_LEAF or pending.notice is not None:
             return wire.encode_header(pending.name, payload, _meta(pending, undelivered))
         key = (pending.name, payload.leaves[0].spec, pending.site, pending.rank, undelivered,
                pending.requested)
@@ -101,7 +101,7 @@ class Headers:
         return header
 
 
-def read_in_place(payload: wire.Payload) -> bool:
+def read_in_place(payload: value_trees.Payload) -> bool:
     """Whether a leaf of ``payload`` is a torch tensor read in place, whose trailer can say
     whether it moved on only once its bytes are sent. A loop, not any() of a generator,
     which costs twice as much, for every frame."""

@@ -34,7 +34,7 @@ from .display import say_once
 from .errors import UnknownName
 from .log import log
 from .store import ALL_RUNS, HistoryStore
-from .wire import SINGLE_LEAF
+from .value_trees import SINGLE_LEAF
 
 COLUMNS = ("step", "rank", "arrived", "shape", "min", "max", "mean", "std", "norm", "nan",
            "inf")

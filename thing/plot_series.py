@@ -32,7 +32,7 @@ from .history_stats import (
 )
 from .reports import is_container, kind
 from .store import ALL_RUNS, HistoryStore
-from .wire import SINGLE_LEAF
+from .value_trees import SINGLE_LEAF
 
 # What each stat draws, as its panel's title says it.
 STAT_TITLES = {

@@ -40,6 +40,7 @@ from .run_names import MAX_RUN_NAME
 from .sockets import set_timeouts
 from .store import Announcement, HistoryStore, UnsentNotice
 from .stream import StreamReader
+from .value_trees import ReceivedValue, caught_type, check_received, holds_sparse, is_int
 
 # Acknowledgements sent in one write at most; a client waits for no more than this many.
 ACK_BATCH = 64
@@ -340,7 +341,7 @@ class Connection:
                 store.note_undelivered(known.sender, known.undelivered)
             captures.append(Capture(
                 -1, known.name,
-                wire.ReceivedValue(header.tree, header.leaves, _arrays_of(known.layout, payload)),
+                ReceivedValue(header.tree, header.leaves, _arrays_of(known.layout, payload)),
                 header.leaves, len(payload), known.sender, caught_at=caught_at, call=call,
                 step=step, call_site=known.call_site, consistent=not modified,
                 requested=known.requested))
@@ -542,7 +543,7 @@ class Connection:
             # one still waiting came with this frame or before it, and no frame takes it.
             raise ProtocolError("a frame came with more descriptors than it carries")
         if known.sparse:
-            wire.check_received(header.tree, arrays)
+            check_received(header.tree, arrays)
         if known.undelivered:
             settings.store.note_undelivered(known.sender, known.undelivered)
         if known.notice == "unsent":
@@ -553,7 +554,7 @@ class Connection:
             return None
         capture = settings.store.add(
             known.name,
-            wire.ReceivedValue(header.tree, header.leaves, arrays),
+            ReceivedValue(header.tree, header.leaves, arrays),
             header.leaves,
             payload_len,
             known.sender,
@@ -613,7 +614,7 @@ class Connection:
         gave one, why (its sender's handle has the reason too, in the acknowledgement). A
         frame cut short or forged meanwhile is counted where the connection ends."""
         self.settings.counts.add(dropped_transfers=1)
-        type_name = "?" if known is None else wire.caught_type(known.header.tree,
+        type_name = "?" if known is None else caught_type(known.header.tree,
                                                                known.header.leaves)
         self.settings.store.note_unsent(UnsentNotice(
             _refused_name(known, why), type_name, str(why)[:wire.MAX_REASON],
@@ -742,7 +743,7 @@ class KnownHeader:
     notice: str | None
     requested: bool  # sent because the REPL asked (thing.request)
     record_bytes: int  # what the store charges for a capture of it, beyond its arrays
-    sparse: bool  # whether its received arrays need checking (wire.check_received)
+    sparse: bool  # whether its received arrays need checking (check_received)
     # Per array: its carrier dtype, element count and shape, to build it from bytes.
     layout: tuple[tuple[np.dtype, int, tuple[int, ...]], ...]
 
@@ -756,8 +757,8 @@ class KnownHeader:
         notice = next((kind for kind in ("unsent", "on_demand") if kind in meta), None)
         return cls(header, name, _sender_of(meta, connection), _undelivered_of(meta), call_site,
                    notice, meta.get("requested") is True, HistoryStore.record_bytes(
-                       name, wire.ReceivedValue(header.tree, header.leaves, []), call_site),
-                   wire.holds_sparse(header.tree), layout)
+                       name, ReceivedValue(header.tree, header.leaves, []), call_site),
+                   holds_sparse(header.tree), layout)
 
 
 class _ReadDeadline:
@@ -944,7 +945,7 @@ def _announcement_of(header: wire.FrameHeader, sender: Sender) -> Announcement:
         raise ProtocolError("an announcement of an on-demand name carries data, or nothing")
     shape = looks.get("shape")
     if not (isinstance(shape, list) and len(shape) <= 64
-            and all(wire.is_int(size) and 0 <= size < 1 << 62 for size in shape)):
+            and all(is_int(size) and 0 <= size < 1 << 62 for size in shape)):
         shape = None
     return Announcement(
         None if header.name is None else wire.printable(header.name),

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from . import config, wire
+from . import config, value_trees, wire
 from ._core import map_file
 from .arrays import CARRIER_DTYPES, LeafSpec
 from .captures import Capture, Sender
@@ -181,7 +181,7 @@ def clear_staging(directory: Path) -> int:
     return removed
 
 
-def _record_of(capture: Capture, parts: wire.ReceivedValue) -> str:
+def _record_of(capture: Capture, parts: value_trees.ReceivedValue) -> str:
     """A capture's record in a segment's metadata, as JSON (see docs/FORMAT.md)."""
     sender = capture.sender
     meta: dict[str, Any] = {}
@@ -419,7 +419,7 @@ def _thing_metadata(metadata: Any, path: Path) -> tuple[list[Any], dict[str, int
     if not isinstance(records, list):
         raise BadRecording(f"{path}: its captures are not a list")
     if not (isinstance(dropped, dict) and all(
-            isinstance(reason, str) and wire.is_int(count) and 0 <= count < 1 << 62
+            isinstance(reason, str) and value_trees.is_int(count) and 0 <= count < 1 << 62
             for reason, count in dropped.items())):
         raise BadRecording(f"{path}: its count of dropped captures is malformed")
     return records, {wire.printable(reason[:200]): count for reason, count in dropped.items()}
@@ -462,10 +462,10 @@ def _tensor_table(document: dict[str, Any], data_len: int, path: Path) -> dict[s
         if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
             raise BadRecording(f"{path}: tensor {key[:100]!r} has an unknown dtype")
         if not (isinstance(shape, list) and len(shape) <= 65
-                and all(wire.is_int(extent) and extent >= 0 for extent in shape)):
+                and all(value_trees.is_int(extent) and extent >= 0 for extent in shape)):
             raise BadRecording(f"{path}: tensor {key[:100]!r} has a malformed shape")
         if not (isinstance(offsets, list) and len(offsets) == 2
-                and all(wire.is_int(offset) for offset in offsets)
+                and all(value_trees.is_int(offset) for offset in offsets)
                 and 0 <= offsets[0] <= offsets[1] <= data_len):
             raise BadRecording(f"{path}: tensor {key[:100]!r} claims bytes "
                                f"{str(offsets)[:60]} of data that holds {data_len}")
@@ -499,15 +499,15 @@ def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: Any,
     if not isinstance(raw_header, str):
         raise BadRecording(f"{where}: its header is not a string")
     if not (isinstance(sender, list) and len(sender) == 4 and isinstance(sender[0], str)
-            and isinstance(sender[1], str) and wire.is_int(sender[2])
+            and isinstance(sender[1], str) and value_trees.is_int(sender[2])
             and (sender[3] is None or isinstance(sender[3], str))):
         raise BadRecording(f"{where}: its sender is malformed")
     call, step = record["call"], record["step"]
     if not (_is_time(received_at) and (caught_at is None or _is_time(caught_at))
             and isinstance(record["consistent"], bool)):
         raise BadRecording(f"{where}: its times or consistent flag are malformed")
-    if not ((call is None or (wire.is_int(call) and 0 < call < 1 << 64))
-            and (step is None or (wire.is_int(step) and wire.NO_STEP < step < 1 << 63))):
+    if not ((call is None or (value_trees.is_int(call) and 0 < call < 1 << 64))
+            and (step is None or (value_trees.is_int(step) and wire.NO_STEP < step < 1 << 63))):
         raise BadRecording(f"{where}: its call number or step is malformed")
     keys = []
     for leaf in range(len(tensors) + 1):
@@ -545,8 +545,8 @@ def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: Any,
         array = np.frombuffer(mapped, carrier, math.prod(spec.shape), data_start + tensor.begin)
         arrays.append(array.reshape(spec.shape))
     if known.sparse:
-        wire.check_received(header.tree, arrays)
-    value = wire.ReceivedValue(header.tree, header.leaves, arrays)
+        value_trees.check_received(header.tree, arrays)
+    value = value_trees.ReceivedValue(header.tree, header.leaves, arrays)
     # One object for each name and call site, however many headers carry them.
     capture = Capture(-1, _one_of(known.name), value, header.leaves, payload_len, known.sender,
                       received_at=received_at, caught_at=caught_at,
@@ -562,5 +562,5 @@ def _one_of(text: Optional[str]) -> Optional[str]:
 
 def _is_time(value: Any) -> bool:
     """Seconds since the epoch that a clock can show (NaN and infinities are not)."""
-    return (isinstance(value, float) or wire.is_int(value)) and -wire.MAX_TIME < value < (
+    return (isinstance(value, float) or value_trees.is_int(value)) and -wire.MAX_TIME < value < (
         wire.MAX_TIME)

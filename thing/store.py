@@ -46,7 +46,7 @@ from .errors import (
 )
 from .log import log
 from .names import identifier_for
-from .wire import ReceivedValue, build_value
+from .value_trees import ReceivedValue, build_value
 
 # What one capture's record costs beyond its array bytes: the Capture object, its
 # Sender, its LeafSpecs and dictionary entries (400-630 bytes measured), and the statistics
