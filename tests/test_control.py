@@ -275,7 +275,7 @@ def test_settings_for_single_ranks_are_bounded_and_a_new_job_is_told_them_all(
     """Ranks run to 2**31: settings for single ranks stop at MAX_RANKED_STATEMENTS, so the
     settings a job is told when it connects never pass the rate at which a job hangs up on
     a flooding server, and a job that connects after many are set still sends."""
-    from thing.overrides import MAX_RANKED_STATEMENTS
+    from thing.settings_table import MAX_RANKED_STATEMENTS
 
     for rank in range(5):
         for index in range(1000):
@@ -766,7 +766,7 @@ def shown(settings: dict[Any, Any]) -> dict[Any, str]:
 @settings(max_examples=300, deadline=None)
 @given(operations)
 def test_a_job_connecting_later_decides_as_one_connected_all_along(steps: Any) -> None:
-    from thing.overrides import SettingsTable
+    from thing.settings_table import SettingsTable
 
     kept = SettingsTable()  # the server's, as thing/steering.py keeps it
     connected = overrides()
@@ -787,7 +787,7 @@ def test_what_a_statement_changes_is_what_working_everything_out_again_gives(ste
                                                                               ) -> None:
     """A statement for one name works out that name's setting only (a replay of a thousand
     names took a job seconds of CPU when each worked out all): always what all give."""
-    from thing.overrides import SettingsTable
+    from thing.settings_table import SettingsTable
 
     steered = overrides()  # rank 1
     for operation, name, rank, value in valid(steps):
@@ -803,7 +803,7 @@ def test_a_server_that_forgets_again_and_again_and_never_replays_grows_no_job() 
     time with other values, and never ending a replay: the counts kept over each forget
     for the replay after it grew by a thousand each time (20 MB a second over the wire).
     They are bounded as the table is."""
-    from thing.overrides import MAX_KEPT_BUDGETS, SettingsTable
+    from thing.settings_table import MAX_KEPT_BUDGETS, SettingsTable
 
     table = SettingsTable()
     for cycle in range(12):
@@ -1063,7 +1063,7 @@ def test_a_flood_of_costly_statements_is_hung_up_on_below_the_count(jobs: list[J
     """With the table full, a statement for every name costs the sender 100 times one for a
     name: 2,000 a second, a fifth of the count allowed, took a job's sender most of the
     GIL for as long as they came. What steering takes of its time is bounded too."""
-    from thing.overrides import MAX_RANKED_STATEMENTS, MAX_STEERED_NAMES
+    from thing.settings_table import MAX_RANKED_STATEMENTS, MAX_STEERED_NAMES
 
     full = b"".join(message(kind, f"n{i}", None, 2) for i in range(MAX_STEERED_NAMES)
                     for kind in ("every", "first"))

@@ -25,7 +25,7 @@ from .captures import Capture, Sender, value_of
 from .errors import HandshakeError, ProtocolError, whole_number
 from .history_stats import StatsWorker
 from .log import INFO, WARNING, LogOnce, log
-from .overrides import Statement
+from .settings_table import Statement
 from .sockets import (
     NO_OWNER,
     listen,

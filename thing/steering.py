@@ -5,7 +5,7 @@ A :class:`Steering` turns each call into a control message (``wire.CONTROL``:
 an operation from a fixed set, a name, a rank, a number) and sends it to every
 connected client that takes control. It keeps the statements in force (not
 the requests, which are for the calls of now) in the same
-:class:`~thing.overrides.SettingsTable` a client keeps, and replays them,
+:class:`~thing.settings_table.SettingsTable` a client keeps, and replays them,
 oldest first, to each client that connects later, after a ``forget`` and
 before a ``replayed`` (to a client that asked for it: it holds what it caught
 before it connected until then): a restarted job decides as one connected all
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Optional
 from . import wire
 from .errors import ArgumentError, ArgumentTypeError, whole_number
 from .log import log
-from .overrides import MAX_RANKED_STATEMENTS, MAX_STEERED_NAMES, SettingsTable, Statement
+from .settings_table import MAX_RANKED_STATEMENTS, MAX_STEERED_NAMES, SettingsTable, Statement
 from .sockets import shutdown
 
 if TYPE_CHECKING:
