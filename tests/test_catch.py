@@ -147,7 +147,7 @@ def test_server_gone_returns_false_at_once() -> None:
             results.append(thing.catch(x, name="x"))
         elapsed = time.perf_counter() - start
         assert not any(h.wait(2) for h in results)
-        assert elapsed < 1.0, elapsed
+        assert elapsed < 5.0, elapsed  # about 10 ms; room for a machine under load
         print("ok")
         """,
         free_port,
@@ -461,6 +461,20 @@ def test_settings_that_would_spin_or_never_send_are_kept_in_bounds(monkeypatch) 
     assert config.send_timeout() == config.connect_timeout() == 0.1
     monkeypatch.setenv("THING_RECONNECT_INTERVAL", "-3")
     assert config.reconnect_interval() == 0.05
+
+
+def test_a_huge_integer_setting_is_taken_as_the_most_it_can_be(server: thing.Server,
+                                                               monkeypatch) -> None:
+    """THING_MAX_NAMES=1e19 is past a C integer, which the compiled core keeps it in: every
+    catch was "not sent: Python int too large to convert to C ssize_t"."""
+    monkeypatch.setenv("THING_MAX_NAMES", "1e19")
+    client = thing.Client("127.0.0.1", server.port)
+    try:
+        assert client.catch(np.arange(3), name="counted", every=2).wait(10)
+        assert not client.catch(np.arange(3), name="counted", every=2).wait(10)  # skipped
+    finally:
+        client.close()
+    assert server.get("counted").tolist() == [0, 1, 2]
 
 
 def test_small_captures_go_once_a_tick_and_at_once_when_waited_for(server: thing.Server,

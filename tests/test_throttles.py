@@ -179,6 +179,8 @@ def test_the_gate_takes_what_catch_takes_and_shows_its_help() -> None:
             assert parameters(gate, follow_wrapped=False) == parameters(behind)
             assert parameters(gate) == parameters(behind)
             assert gate.__doc__ == behind.__doc__ and gate.__name__ == "catch"
+            with pytest.raises(TypeError, match=r"^catch\(\)"):  # a wrong call names catch
+                gate()
         assert thing.catch.__doc__.startswith("Send ``obj`` to the thing server")
     finally:
         client.close()

@@ -14,8 +14,13 @@ from .log import log
 DEFAULT_PORT = 2875
 
 
+# What an integer setting may be at most: some are C integers in the compiled core, where
+# THING_MAX_NAMES=1e19 made every catch fail ("Python int too large to convert").
+_MAX_INT = 1 << 62
+
+
 def _env_int(name: str, default: int) -> int:
-    return int(_env_float(name, default))
+    return int(max(min(_env_float(name, default), _MAX_INT), -_MAX_INT))
 
 
 def _env_float(name: str, default: float) -> float:

@@ -2,7 +2,7 @@
 
 A training loop calls ``thing.catch(w, every=100)`` at every step, and 99
 calls in 100 send nothing: such a call should cost about what an empty
-function call costs. ``gated(catch, throttles, skipped)`` wraps a catch
+function call costs. ``gated(target, throttles, skipped)`` wraps a catch
 function in a C function that answers those calls itself. It finds the
 name's :class:`Throttle`: by the name given, or, for a traced name, by the
 instruction that called (the Python path remembers it at each call of a
@@ -12,8 +12,12 @@ on demand, and the REPL was told of the name), it counts it and returns
 ``skipped``. Every other call (one to send, a name or site not seen yet,
 anything while the REPL steers, arguments of an unusual type) goes to
 ``catch``, which decides with the same counts. So the gate only ever gives
-the answer ``catch`` would have given, sooner. The pure-Python twin
-(``throttles.py``) has no gate: ``catch`` answers every call.
+the answer ``catch`` would have given, sooner, but for one: a call made while
+its thread is inside ``catch`` already (from a signal handler or a finalizer)
+is refused by ``catch`` uncounted, and counted here when it is not sent (a
+look at the thread's state would cost every throttled call more than the
+rare call it would tell apart). The pure-Python twin (``throttles.py``) has no
+gate: ``catch`` answers every call.
 """
 
 from cpython.object cimport PyObject
@@ -283,10 +287,11 @@ def _used(item):
     return (<Throttle>item[1]).used
 
 
-def gated(catch, Throttles throttles, skipped):
-    """``catch``, with the calls it would not send answered in C (see the module docstring).
+def gated(target, Throttles throttles, skipped):
+    """``target``, a catch, with the calls it would not send answered in C (see the module
+    docstring). It keeps the name ``catch``, which a wrong call's TypeError names.
 
-    ``catch`` is ``thing.catch`` or a ``Client``'s bound ``catch`` (not a subclass's own,
+    ``target`` is ``thing.catch`` or a ``Client``'s bound ``catch`` (not a subclass's own,
     which may treat the arguments otherwise): the code that called the gate is the code
     that called ``catch``, as no Python frame comes between them.
 
@@ -297,7 +302,7 @@ def gated(catch, Throttles throttles, skipped):
     sent).
     """
 
-    def gate(obj, name=None, server=None, every=1, first=None, *, copy=None, block=False,
+    def catch(obj, name=None, server=None, every=1, first=None, *, copy=None, block=False,
              step=None, on_demand=False, int _depth=1):
         if _depth == 1:  # else a helper's catch(..., _depth=2): its caller's call site counts
             if on_demand is False:
@@ -313,23 +318,23 @@ def gated(catch, Throttles throttles, skipped):
                 compiled = None
             if compiled is not None:
                 try:
-                    return _call(catch, obj, name, server, every, first, copy, block, step,
+                    return _call(target, obj, name, server, every, first, copy, block, step,
                                  on_demand, _depth)
                 finally:
                     frames.set_eval_frame(compiled)
-        return _call(catch, obj, name, server, every, first, copy, block, step, on_demand,
+        return _call(target, obj, name, server, every, first, copy, block, step, on_demand,
                      _depth)
 
-    return functools.wraps(catch)(gate)
+    return functools.wraps(target)(catch)
 
 
-cdef inline object _call(catch, obj, name, server, every, first, copy, block, step, on_demand,
+cdef inline object _call(target, obj, name, server, every, first, copy, block, step, on_demand,
                         int depth):
     if depth == 1:  # catch's own default: thing.catch takes no _depth
-        return catch(obj, name, server, every, first, copy=copy, block=block, step=step,
-                     on_demand=on_demand)
-    return catch(obj, name, server, every, first, copy=copy, block=block, step=step,
-                 on_demand=on_demand, _depth=depth)
+        return target(obj, name, server, every, first, copy=copy, block=block, step=step,
+                      on_demand=on_demand)
+    return target(obj, name, server, every, first, copy=copy, block=block, step=step,
+                  on_demand=on_demand, _depth=depth)
 
 
 cdef dict _modules = sys.modules

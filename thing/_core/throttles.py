@@ -86,6 +86,6 @@ class Throttles:
         """For the compiled gate's call sites; there are none here."""
 
 
-def gated(catch: Catch, throttles: Throttles, skipped: Any) -> Catch:
-    """``catch`` itself: without the compiled core, every call is answered in Python."""
-    return catch
+def gated(target: Catch, throttles: Throttles, skipped: Any) -> Catch:
+    """``target`` itself: without the compiled core, every call is answered in Python."""
+    return target
