@@ -463,6 +463,25 @@ def test_settings_that_would_spin_or_never_send_are_kept_in_bounds(monkeypatch) 
     assert config.reconnect_interval() == 0.05
 
 
+def test_sizes_are_taken_with_units_as_the_command_line_takes_them(monkeypatch, caplog) -> None:
+    """THING_STORE_BYTES=4G was ignored ("not a number") where ``thing record --max-bytes
+    4G`` took it; a size that is none is still ignored, saying so."""
+    from thing import config
+
+    monkeypatch.setenv("THING_STORE_BYTES", "4G")
+    monkeypatch.setenv("THING_SNAPSHOT_BYTES", "16 KiB")
+    monkeypatch.setenv("THING_MAX_HEADER_BYTES", "1.5MB")
+    monkeypatch.setenv("THING_QUEUE_BYTES", "3e6")
+    with thing.Server(port=0) as server:
+        assert server.store.max_bytes == 4 << 30
+    assert config.snapshot_bytes() == 16 << 10 and config.queue_max_bytes() == 3_000_000
+    assert config.max_header_bytes() == 3 << 19
+    for junk in ("4 gigs", "-5", "inf"):
+        monkeypatch.setenv("THING_STORE_BYTES", junk)
+        assert config.store_max_bytes() == config._physical_memory() // 2
+        assert f"ignoring THING_STORE_BYTES={junk!r}: not a size" in caplog.text
+
+
 def test_a_huge_integer_setting_is_taken_as_the_most_it_can_be(server: thing.Server,
                                                                monkeypatch) -> None:
     """THING_MAX_NAMES=1e19 is past a C integer, which the compiled core keeps it in: every

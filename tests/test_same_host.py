@@ -1254,3 +1254,27 @@ def test_a_server_keeps_at_most_max_mappings_mapped_whatever_its_clients_do(
             assert client.catch(1, name="still").wait(10)
         finally:
             client.close()
+
+
+def test_a_server_never_closed_removes_its_socket_file_at_exit_but_not_from_a_forked_child(
+    runtime_dir: Path,
+) -> None:
+    """A REPL that exits without close() left its socket file behind, one per port served.
+    A forked child that exits (through sys.exit, so its atexit hooks run) leaves the file
+    its parent still serves through."""
+    out = run_script(
+        """
+        import os, sys, thing
+        server = thing.Server(port=0).start()
+        path = server.unix_path
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)
+        os.waitpid(child, 0)
+        assert path.is_socket(), "a forked child removed its parent's socket file"
+        print(path)
+        """
+    )
+    path = Path(out.strip())
+    assert path.parent == runtime_dir / "thing"
+    assert not path.exists()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import config
 from .display import counted, say
 
 if TYPE_CHECKING:
@@ -232,9 +233,6 @@ def _recorder_options(args: argparse.Namespace) -> dict[str, Any]:
             "segment_seconds": args.segment_seconds}
 
 
-_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
 def _port(text: str) -> int:
     """A port number, 0 (any free port) to 65535."""
     return _number(text, int, lambda port: 0 <= port <= 65535, "a port",
@@ -269,13 +267,9 @@ def _number(text: str, parse: Callable[[str], Any], fits: Callable[[Any], bool],
 
 def _size(text: str) -> int:
     """``20G``, ``512M``, ``4096`` (bytes; powers of 1024) as a number of bytes."""
-    number, unit = text.strip().rstrip("Bb"), ""
-    if number[-1:].upper() in _SIZE_UNITS:
-        number, unit = number[:-1], number[-1].upper()
-    try:
-        size = int(float(number) * _SIZE_UNITS[unit])
-    except (ValueError, OverflowError):  # not a number, or inf
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 20G or 512M)") from None
+    size = config.parse_size(text)
+    if size is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 20G or 512M)")
     if size <= 0:
         raise argparse.ArgumentTypeError(f"a size must be positive: {text!r}")
     return size

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 from .log import log
 
@@ -21,6 +22,34 @@ _MAX_INT = 1 << 62
 
 def _env_int(name: str, default: int) -> int:
     return int(max(min(_env_float(name, default), _MAX_INT), -_MAX_INT))
+
+
+def _env_bytes(name: str, default: int) -> int:
+    """A size in bytes, written as a number or with a unit (``4G``, ``512MiB``)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    size = parse_size(raw)
+    if size is None:
+        log.warning("ignoring %s=%r: not a size (try 4G, 512M or 4096); using %s", name, raw,
+                    default)
+        return default
+    return min(size, _MAX_INT)
+
+
+_SIZE = re.compile(r"(\d*\.?\d+(?:e[+-]?\d+)?) ?([kmgt]?)(?:ib|b)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int | None:
+    """``20G``, ``512MiB``, ``1.5g``, ``4e9``, ``4096``: bytes (K, M, G and T are powers of
+    1024); None if ``text`` is no size."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        return None
+    number, unit = match.groups()
+    size = float(number) * _SIZE_UNITS[unit.upper()]
+    return int(size) if math.isfinite(size) else None
 
 
 def _env_float(name: str, default: float) -> float:
@@ -61,7 +90,7 @@ def serve_port() -> int:
 
 def queue_max_bytes() -> int:
     """Bytes a client may hold waiting to be sent (``THING_QUEUE_BYTES``, 1 GiB)."""
-    return _env_int("THING_QUEUE_BYTES", 1 << 30)
+    return _env_bytes("THING_QUEUE_BYTES", 1 << 30)
 
 
 def queue_max_items() -> int:
@@ -76,7 +105,7 @@ def snapshot_bytes() -> int:
     capture, so the capture holds the value at the call for free; larger arrays
     are read in place by the sender thread.
     """
-    return _env_int("THING_SNAPSHOT_BYTES", 64 << 10)
+    return _env_bytes("THING_SNAPSHOT_BYTES", 64 << 10)
 
 
 def max_names() -> int:
@@ -165,7 +194,7 @@ def max_mappings() -> int:
 
 def shm_threshold() -> int:
     """Payload bytes from which a capture goes through shared memory (``THING_SHM_THRESHOLD``)."""
-    return _env_int("THING_SHM_THRESHOLD", 1 << 20)
+    return _env_bytes("THING_SHM_THRESHOLD", 1 << 20)
 
 
 # Server side -----------------------------------------------------------------
@@ -173,7 +202,7 @@ def shm_threshold() -> int:
 
 def max_capture_bytes() -> int:
     """Largest capture a server accepts (``THING_MAX_CAPTURE_BYTES``, 64 GiB)."""
-    return _env_int("THING_MAX_CAPTURE_BYTES", 64 << 30)
+    return _env_bytes("THING_MAX_CAPTURE_BYTES", 64 << 30)
 
 
 def max_header_bytes() -> int:
@@ -183,7 +212,7 @@ def max_header_bytes() -> int:
     tensors takes about 600 KiB. Parsed, it may hold up to 32 times its size in
     Python objects, which the store is charged for.
     """
-    return _env_int("THING_MAX_HEADER_BYTES", 1 << 20)
+    return _env_bytes("THING_MAX_HEADER_BYTES", 1 << 20)
 
 
 def idle_timeout() -> float:
@@ -197,7 +226,7 @@ def min_frame_rate() -> float:
     A frame of N bytes must be complete within ``THING_IDLE_TIMEOUT`` + N / rate
     seconds of its first byte, or it is cut off and whatever it reserved released.
     """
-    return max(_env_float("THING_MIN_RATE", float(1 << 20)), 1.0)
+    return max(float(_env_bytes("THING_MIN_RATE", 1 << 20)), 1.0)
 
 
 def max_connections() -> int:
@@ -207,7 +236,7 @@ def max_connections() -> int:
 
 def store_max_bytes() -> int:
     """Bytes the history store holds before evicting (``THING_STORE_BYTES``, half the RAM)."""
-    return _env_int("THING_STORE_BYTES", _physical_memory() // 2)
+    return _env_bytes("THING_STORE_BYTES", _physical_memory() // 2)
 
 
 def stats_share() -> float:

@@ -9,11 +9,13 @@ functions, for programs that hold a :class:`Server` of their own.
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +102,7 @@ class Server:
         self._unix_listener: socket.socket | None = None
         self.unix_path: Path | None = None  # the same-host Unix socket, while running
         self._unix_inode = 0  # the socket file we bound there: the only one we remove
+        self._started_in = os.getpid()  # the process whose files they are
         self._connections: dict[socket.socket, receiver.Connection] = {}
         self.min_rate = config.min_frame_rate()
         self._deadlines = receiver.Deadlines()
@@ -144,6 +147,8 @@ class Server:
                 "Listening on %s, beyond this machine, so clients need a token. %s; "
                 "elsewhere run:  export THING_TOKEN=%s", self.host, where, self.token,
             )
+        self._started_in = os.getpid()
+        _running.add(self)
         self._closing.clear()
         self.buffers.open()
         self._stats_worker = StatsWorker(self.store, config.stats_share()).start()
@@ -199,13 +204,21 @@ class Server:
                 if self._unix_listener is not None:
                     self._unix_listener.close()
                     self._unix_listener = None
-                    remove_unix_socket(self.unix_path, self._unix_inode)  # ours, still ours
-                    self.unix_path = None
-                if self._generated_token and self.token is not None:
-                    auth.remove_token_file(self.port, self.token)
-                    self._generated_token = False
+                self._remove_files()
                 self._threads.clear()
                 self._close_workers()
+
+    def _remove_files(self) -> None:
+        """Remove this server's Unix socket file (if still the one it bound) and the token
+        file it wrote; not from a forked child, whose parent still serves through them."""
+        if self._started_in != os.getpid():
+            return
+        if self.unix_path is not None:
+            remove_unix_socket(self.unix_path, self._unix_inode)
+            self.unix_path = None
+        if self._generated_token and self.token is not None:
+            auth.remove_token_file(self.port, self.token)
+            self._generated_token = False
 
     def _disconnect(self, threads: list[threading.Thread]) -> None:
         """Let every connection send the acks it owes and end, for up to CLOSE_SECONDS."""
@@ -559,6 +572,17 @@ class Server:
         """Log a peer's misbehaviour (or what befell it, ``about`` which); a peer retrying
         every second is logged once a minute."""
         self._warnings((address.rpartition(":")[0] or address, about), level, message)
+
+
+# Servers started in this process. At exit their files go, as close() removes them: a REPL
+# left without close() left a socket file for each port it had served.
+_running: weakref.WeakSet[Server] = weakref.WeakSet()
+
+
+@atexit.register
+def _remove_files_at_exit() -> None:
+    for server in list(_running):
+        server._remove_files()
 
 
 def _control_value(number: int, what: str, least: int = 1) -> int:
