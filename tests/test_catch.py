@@ -927,3 +927,107 @@ def test_queued_captures_are_not_walked_by_the_garbage_collector(server: thing.S
     kept = server.get_all("s")
     assert [value.tobytes() for value in kept] == [
         np.float32([i, -i]).tobytes() for i in range(2000)]
+
+
+def test_a_slow_lookup_of_another_server_does_not_hold_up_other_threads(
+        server: thing.Server) -> None:
+    """The first catch to a new server= string looked this host's names up (getfqdn, seconds
+    where DNS is unreachable) holding the lock every catch takes: the training thread's
+    catches to its own server waited as long."""
+    out = run_script(
+        """
+        import socket, threading, time, numpy as np, thing, thing.sockets
+        real = socket.getfqdn
+        def unreachable_dns(*args):
+            time.sleep(2.0)
+            return real(*args)
+        socket.getfqdn = unreachable_dns
+        thing.sockets.own_names.cache_clear()
+        assert thing.catch(0, name="warm").wait(10)
+        worst, stop = [0.0], threading.Event()
+        def training():
+            while not stop.is_set():
+                start = time.perf_counter()
+                thing.catch(np.zeros(4), name="loss")
+                worst[0] = max(worst[0], time.perf_counter() - start)
+                time.sleep(0.001)
+        thread = threading.Thread(target=training)
+        thread.start()
+        time.sleep(0.1)
+        start = time.perf_counter()
+        thing.catch(1, name="other", server=socket.gethostname() + "-metrics:9")
+        looked_up = time.perf_counter() - start
+        stop.set()
+        thread.join()
+        assert looked_up > 1.5 and worst[0] < 1.0, (looked_up, worst[0])
+        print("ok")
+        """,
+        server.port,
+    )
+    assert out.strip() == "ok"
+
+
+def test_a_slow_log_handler_does_not_hold_up_other_threads(server: thing.Server) -> None:
+    """The full queue's warning was logged holding the lock every catch takes: the
+    application's handler (a log shipper on a slow network) held up every thread's catch."""
+    out = run_script(
+        """
+        import logging, threading, time, numpy as np, thing
+        logged_by = []
+        class SlowShipper(logging.Handler):
+            def emit(self, record):
+                if "send queue full" in record.getMessage():
+                    logged_by.append(threading.current_thread().name)
+                    time.sleep(2.0)
+        logging.getLogger("thing").addHandler(SlowShipper())
+        assert thing.catch(0, name="warm").wait(10)
+        worst, stop = {}, threading.Event()
+        def catching(name, value, pause):
+            mine = threading.current_thread().name
+            worst[mine] = 0.0
+            while not stop.is_set():
+                start = time.perf_counter()
+                thing.catch(value, name=name)
+                worst[mine] = max(worst[mine], time.perf_counter() - start)
+                time.sleep(pause)
+        threads = [threading.Thread(target=catching, args=args, name=args[0]) for args in
+                   (("loss", np.zeros(4), 0.001), ("flood", np.zeros(1 << 20), 0.0))]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 20
+        while not logged_by and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(2.5)
+        stop.set()
+        for thread in threads:
+            thread.join()
+        (logger,) = logged_by
+        other = "loss" if logger == "flood" else "flood"
+        assert worst[other] < 1.0, (logger, worst)
+        print("ok")
+        """,
+        server.port, THING_QUEUE_ITEMS="4",
+    )
+    assert out.strip() == "ok"
+
+
+def test_flush_returns_once_every_handle_knows_its_outcome(server: thing.Server) -> None:
+    """flush() returned once the answers were counted, before the sender had told the
+    handles: a handle read right after it could still say nothing (here the telling is
+    slowed down to show it)."""
+    out = run_script(
+        """
+        import time, numpy as np, thing, thing.channel
+        tell = thing.channel._resolve
+        def slowly(finished):
+            time.sleep(0.3)
+            tell(finished)
+        thing.channel._resolve = slowly
+        client = thing.Client()
+        handles = [client.catch(np.arange(i + 1), name="x") for i in range(3)]
+        assert client.flush(10)
+        print([handle.wait(0) for handle in handles])
+        """,
+        server.port,
+    )
+    assert out.strip() == "[True, True, True]"

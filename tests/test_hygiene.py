@@ -57,9 +57,37 @@ def test_the_repl_side_loads_none_of_the_sending_side() -> None:
     out = run_script("""
         import sys, thing.server, thing.segments, thing.recording
         print(" ".join(sorted(m for m in ("thing.channel", "thing.send_queue", "thing.dial",
-                                          "thing.answers", "thing.frames") if m in sys.modules)))
+                                          "thing.answers", "thing.frames", "thing.overrides")
+                              if m in sys.modules)))
     """)
     assert out.strip() == ""
+
+
+def test_the_sender_thread_imports_nothing(server) -> None:
+    """A thread importing a module holds that module half made: a child forked meanwhile (a
+    DataLoader worker) finds it so for good. The sender's first log message imported
+    logging: a child forked within milliseconds of the job's first connection had its own
+    logging broken, and a sender that died on it, its handles never resolved. Whatever the
+    sender needs is imported by the thread that opens its channel: here it connects, sends,
+    logs a capture the server refuses, loses its server and dials one that is not there."""
+    out = run_script(
+        """
+        import sys, threading
+        imported = []
+        def note(event, args):
+            if event == "import" and threading.current_thread().name.startswith("thing-"):
+                imported.append(args[0])
+        sys.addaudithook(note)
+        import numpy as np, thing
+        assert thing.catch(np.arange(3), name="sent").wait(10)
+        header_over_the_servers_cap = {str(i): i for i in range(200_000)}
+        assert not thing.catch(header_over_the_servers_cap, name="refused").wait(10)
+        assert not thing.catch(1, name="elsewhere", server="127.0.0.1:9").wait(10)
+        print(imported)
+        """,
+        server.port, THING_MAX_HEADER_BYTES="16M",  # the job's own: it sends what the server
+    )                                                 # refuses
+    assert out.strip() == "[]"
 
 
 def test_no_module_hides_a_function_of_the_same_name() -> None:

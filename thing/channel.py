@@ -45,7 +45,7 @@ from .log import ERROR, WARNING, LogOnce, log
 from .names import CallSite
 from .overrides import Overrides
 from .send_queue import SendQueue
-from .sockets import is_this_host, shutdown
+from .sockets import shutdown
 from .value_trees import Payload, caught_type, take_apart, type_name
 
 # Captures below wire.SMALL_BYTES are sent together, once a tick of TICK_SECONDS, at most
@@ -91,7 +91,7 @@ class Channel:
     """The connection to one server: its queue, and the thread that sends and reads."""
 
     def __init__(self, address: tuple[str, int], queue: SendQueue, token: str | None,
-                 overrides: Overrides):
+                 overrides: Overrides, this_host: bool):
         self.address = address
         self.token = token
         self.overrides = overrides
@@ -118,6 +118,8 @@ class Channel:
         # finds its first key at once; a plain dict walks past every key popped before it
         # (a microsecond an acknowledgement, with a thousand frames in flight).
         self._inflight: OrderedDict[int, Pending] = OrderedDict()
+        # Answered and counted, their handles not told yet (see _tell): still busy.
+        self._resolving = 0
         self._next_seq = 0  # frames are numbered in the order they are sent
         # Room (bytes) of frames in flight sent in a memfd, by sequence number: see
         # _hold_room_until_answered.
@@ -147,9 +149,7 @@ class Channel:
         # catch() answers with down_handle: why the last attempt failed.
         self.down = False
         self.down_handle = NO_SERVER
-        # Asked here, on the thread that opens the channel, not on the sender thread: see
-        # sockets.own_names (a fork while the sender is inside the resolver).
-        self._this_host = is_this_host(address[0])
+        self._this_host = this_host  # whether address names this machine
         self._thread = threading.Thread(
             target=self._run, name=f"thing-send-{address[0]}:{address[1]}", daemon=True
         )
@@ -165,7 +165,7 @@ class Channel:
 
     @property
     def busy(self) -> bool:
-        return bool(self._queue or self._inflight)
+        return bool(self._queue or self._inflight or self._resolving)
 
     def enqueue(self, name: str | None, obj: Any, site: CallSite | None,
                 rank: tuple[int | None, int | None], block: bool, copy: bool | None,
@@ -239,10 +239,13 @@ class Channel:
                 if pending.notice is None:
                     self._room.undelivered["no server"] += 1
                 return self.down_handle
-            if not self._room.take(nbytes, block, pending.notice is None):
-                return QUEUE_FULL
-            if held:
+            has_room = self._room.take(nbytes, block, pending.notice is None)
+            if has_room and held:
                 return self._queue_up(pending)
+        if not has_room:
+            if pending.notice is None:
+                self._room.warn_full()
+            return QUEUE_FULL
         try:
             pending.payload.hold(copy, snapshot_bytes)
         except BaseException:  # an Exception is counted as failed by catch()
@@ -837,8 +840,8 @@ class Channel:
                 else:  # its text made readable below, not under the mutex catch() takes
                     finished.append((pending, None, message, "refused"))
             self._count(finished)
-        _resolve([(pending, capture_id, _refusal(error) if reason == "refused" else error,
-                   reason) for pending, capture_id, error, reason in finished])
+        self._tell([(pending, capture_id, _refusal(error) if reason == "refused" else error,
+                     reason) for pending, capture_id, error, reason in finished])
         if broken is not None:
             raise broken
 
@@ -850,7 +853,7 @@ class Channel:
             finished: list[Finished] = [] if pending is None else [
                 (pending, capture_id, error, reason)]
             self._count(finished)
-        _resolve(finished)
+        self._tell(finished)
 
     def _fail_inflight(self, reason: str, error: str) -> None:
         with self._mutex:
@@ -865,13 +868,11 @@ class Channel:
                 self._room.give_back(sum(self._shared_room.values()), len(self._shared_room))
                 self._shared_room.clear()
             self._count(finished)
-        _resolve(finished)
+        self._tell(finished)
 
     def _count(self, finished: list[Finished]) -> None:
         """Count how each finished capture ended (the caller holds the lock): stored, or not
-        delivered for its reason. Notices are not counted. Wakes ``Client.flush``."""
-        if not finished:
-            return
+        delivered for its reason. Notices are not counted. :meth:`_tell` tells them."""
         room = self._room
         for pending, capture_id, _, reason in finished:
             if pending.notice is not None:
@@ -880,7 +881,25 @@ class Channel:
                 room.stored += 1
             elif reason is not None:
                 room.undelivered[reason] += 1
-        self._lock.notify_all()
+        self._resolving += len(finished)
+
+    def _tell(self, finished: list[Finished]) -> None:
+        """Resolve the handles :meth:`_count` counted, outside the lock (it wakes their
+        waiters); then wake ``Client.flush``, which returns once they are told, not merely
+        counted: a handle read right after it knows its outcome."""
+        if not finished:
+            return
+        try:
+            _resolve(finished)
+        finally:
+            with self._mutex:
+                self._resolving -= len(finished)
+                self._lock.notify_all()
+
+
+# The sender thread logs: logging is imported here, by the thread that opens the first
+# channel, not by the sender's first message (see log.ready).
+log.ready()
 
 
 def _wake_descriptors() -> tuple[int, int]:

@@ -343,9 +343,13 @@ class Client:
             return None
         from .channel import Channel
         from .overrides import Overrides
-        from .sockets import parse_address
+        from .sockets import is_this_host, parse_address
 
         address = self.address if server is None else parse_address(server, self.address[1])
+        # Asked here, on the thread that opens the channel, not on its sender thread (see
+        # sockets.own_names: a fork while the sender is inside the resolver), and not under
+        # the lock every catch takes: the resolver may take seconds to answer.
+        this_host = is_this_host(address[0])
         with self._lock:
             if self._closed:
                 return None
@@ -355,7 +359,7 @@ class Client:
                 # Only the default server steers: two REPLs would undo each other's settings.
                 channel = Channel(address, self._queue, self.token,
                                   self._overrides if address == self.address
-                                  else Overrides(False, 0.0, lambda: None))
+                                  else Overrides(False, 0.0, lambda: None), this_host)
             self._channels[server] = channel
             evicted = []
             while len(self._channels) > config.max_servers():

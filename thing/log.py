@@ -31,6 +31,12 @@ class _Logger:
         setattr(self, name, value)
         return value
 
+    def ready(self) -> None:
+        """Make the logger now, on this thread: a thread that would import ``logging`` by
+        its first message leaves a child forked meanwhile (a DataLoader worker) with
+        ``logging`` half imported for good, the child's own code's logging too."""
+        self.__getattr__("log")
+
 
 log: Any = _Logger()
 

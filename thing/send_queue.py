@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 
-from .log import log
+from .log import WARNING, LogOnce
 
 
 class SendQueue:
@@ -27,7 +26,7 @@ class SendQueue:
         self.bytes = 0
         self.undelivered: Counter[str] = Counter()
         self.stored = 0  # captures the server acknowledged as stored
-        self._last_drop_log = 0.0
+        self._warn_rarely = LogOnce(per=5.0)
 
     def take(self, nbytes: int, block: bool, capture: bool = True) -> bool:
         """Take room for one frame (the caller holds ``lock``); False if full and not blocking.
@@ -37,21 +36,20 @@ class SendQueue:
         """
         while self.items >= self.max_items or (self.items and self.bytes + nbytes > self.max_bytes):
             if not block:
-                if not capture:
-                    return False
-                self.undelivered["queue full"] += 1
-                now = time.monotonic()
-                if now - self._last_drop_log > 5:
-                    self._last_drop_log = now
-                    log.warning(
-                        "send queue full (%d captures, %d bytes): %d captures dropped so far",
-                        self.items, self.bytes, self.undelivered["queue full"],
-                    )
+                if capture:
+                    self.undelivered["queue full"] += 1
                 return False
             self.lock.wait(1.0)
         self.items += 1
         self.bytes += nbytes
         return True
+
+    def warn_full(self) -> None:
+        """Log that captures are dropped, at most once every 5 s; called without ``lock``
+        (the application's log handlers, a slow one too, must not hold up every catch)."""
+        self._warn_rarely("full", WARNING,
+                          "send queue full (%d captures, %d bytes): %d captures dropped so far",
+                          self.items, self.bytes, self.undelivered["queue full"])
 
     def give_back(self, nbytes: int, items: int = 1) -> None:
         """Give back the room of ``items`` captures of ``nbytes`` in all (the caller holds
