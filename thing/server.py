@@ -574,6 +574,10 @@ class Server:
         self._warnings((address.rpartition(":")[0] or address, about), level, message)
 
 
+# Its connection threads log: logging is imported here, by the thread that imports the
+# server, not by a connection thread's first message (see log.ready).
+log.ready()
+
 # Servers started in this process. At exit their files go, as close() removes them: a REPL
 # left without close() left a socket file for each port it had served.
 _running: weakref.WeakSet[Server] = weakref.WeakSet()
