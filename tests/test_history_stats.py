@@ -106,9 +106,15 @@ def test_top_singular_values(server: thing.Server) -> None:
     store.add("big", np.outer(u, v), (), 0, Sender("a:1"))
     value = _columns(stats_table(store, "big", spectral=True))["spectral"][0]
     assert value == pytest.approx(np.linalg.norm(u) * np.linalg.norm(v), rel=1e-9)
+    # A random weight matrix, whose top singular values lie close together: power iteration
+    # read it 0.2 % low.
+    weights = np.random.default_rng(1).standard_normal((2100, 2100)).astype(np.float32)
+    store.add("weights", weights, (), 0, Sender("a:1"))
+    value = _columns(stats_table(store, "weights", spectral=True))["spectral"][0]
+    assert value == pytest.approx(np.linalg.norm(weights.astype(np.float64), 2), rel=1e-9)
 
 
-def test_power_iteration_holds_at_magnitudes_whose_products_overflow_or_vanish() -> None:
+def test_the_large_estimate_holds_at_magnitudes_whose_products_overflow_or_vanish() -> None:
     """Above 2**22 elements: entries near 1e160 made NaN (and printed numpy's overflow
     warning), entries near 1e-100 made 0.0."""
     store = HistoryStore()
@@ -362,3 +368,17 @@ def test_numbers_that_travel_in_the_header_keep_their_magnitude_and_exactness(
         (2**64 - 1, 2**64 - 1, 0, 0), (-(2**63), -(2**63), 0, 0), (1e30, 1e30, 0, 0),
         (None, None, 1, 0), (1.0, 1.0, 0, 0)]
     assert [type(stats.min) for stats in described[2:5]] == [int, int, int]
+
+
+def test_a_constant_at_the_largest_float_has_a_histogram_of_finite_edges() -> None:
+    """Its one bin was widened past the largest float: every edge NaN, and numpy's
+    overflow warnings printed into the REPL."""
+    from thing.array_stats import value_histogram
+
+    for constant in (np.finfo(np.float64).max, -np.finfo(np.float64).max):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            counts, edges = value_histogram(np.full(5, constant), None, 10, float(constant),
+                                            float(constant))
+        assert np.isfinite(edges).all() and counts.sum() == 5
+        assert edges[0] <= constant <= edges[-1]

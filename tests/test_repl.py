@@ -816,6 +816,48 @@ def test_the_status_view_fits_80_columns(default: thing.Server) -> None:
     assert sum(1 for line in lines if "…" in line or "model.transformer" in line) == 2
 
 
+def test_numbers_shortened_to_fit_keep_their_exponent_and_digits_that_tell_them_apart(
+        default: thing.Server, capsys) -> None:
+    """Cut from the end to fit 80 columns, a learning rate of 2.99817e-05 read as
+    "2.99817…" and -2**63 as "-922337…"; describe() wrote a min of 99999995 and a max
+    of 100000005 both as 1e+08 (beside a std of 4), and its table of a dict's arrays a min
+    of 0.99995 as 1."""
+    send(default.port, """
+        caught = {"model.optimizer.param_groups.0.lr": 2.99817e-05,
+                  "model.layers.11.attention.scale": -2**63,
+                  "offset": np.array([1e8 - 5, 1e8 + 5, 1e8]),
+                  "d": {"p": np.array([0.99995, 0.99999, 1.0])}}
+        for name, value in caught.items():
+            assert thing.catch(value, name=name).wait(10)
+    """)
+    summary = thing.reports.summary(default.store, default.info()).text(80)
+    live = thing.live.view(default.store, default.info(), 10, width=80).text(80)
+    for text in (summary, live):
+        assert all(len(line) <= 80 for line in text.splitlines())
+        assert not any(("2.99817…" in line or "-922337…" in line) for line in text.splitlines())
+        lr = next(line for line in text.splitlines() if "param_groups" in line).split()
+        assert any(float(token) == pytest.approx(3e-05, rel=0.01) for token in lr
+                   if token[0].isdigit()), lr
+    thing.describe("offset")
+    fields = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines()[1:]
+                  if line.strip())
+    assert (fields["min"], fields["max"], fields["mean"]) == ("99999995", "100000005",
+                                                              "100000000")
+    thing.describe("d")
+    row = next(line for line in capsys.readouterr().out.splitlines() if "['p']" in line)
+    assert row.split()[3:6] == ["0.99995", "1", "0.99998"]
+
+
+def test_a_complex_number_s_sparkline_says_it_shows_magnitudes(default: thing.Server) -> None:
+    """status() drew |z| for a complex loss, and showed 5 for -3-4j, without saying so."""
+    send(default.port, """
+        for z in (-3 - 4j, 1 + 1j):
+            assert thing.catch(z, name="z").wait(10)
+    """)
+    text = thing.live.view(default.store, default.info(), 10, width=80).text(80)
+    assert any(line.startswith("z |x|") for line in text.splitlines()), text
+
+
 # -- help ---------------------------------------------------------------------------------
 
 

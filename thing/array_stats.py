@@ -210,8 +210,10 @@ def value_histogram(value: Any, spec: LeafSpec | None, bins: int, low: float, hi
     if to_float is None:
         return None
     if not low < high:  # every value the same: one bin around it, wide enough to exist
+        low, largest = float(low), float(np.finfo(np.float64).max)
         spread = max(abs(low) * 1e-6, 0.5)
-        low, high = low - spread, high + spread
+        # Not past the largest float (a constant 1.8e308 made every edge NaN).
+        low, high = max(low - spread, -largest), min(low + spread, largest)
     # Halved, then doubled: from -1e308 to 1e308 the width itself would overflow.
     edges = 2 * np.linspace(low / 2, high / 2, bins + 1)
     if not np.all(np.diff(edges) > 0):  # a range finer than float64 can cut in ``bins``

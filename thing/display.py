@@ -54,15 +54,35 @@ def _columns_of(char: str) -> int:
 
 def elide(text: str, width: int, keep: str = "end") -> str:
     """``text`` cut to ``width`` columns with ``…``: keeping its start (``keep="end"``
-    cuts the end) or both its ends (``keep="middle"`` cuts the middle)."""
+    cuts the end) or both its ends (``keep="middle"`` cuts the middle). ``keep="number"``
+    writes a number in fewer significant digits instead (other text is cut at its end)."""
     if columns(text) <= width:
         return text
+    if keep == "number":
+        shorter = _fewer_digits(text, width)
+        if shorter is not None:
+            return shorter
     if width <= 1:
         return "…"[:width]
     if keep == "middle":
         tail = (width - 1) // 2
         return _start(text, width - 1 - tail) + "…" + _start(text[::-1], tail)[::-1]
     return _start(text, width - 1) + "…"
+
+
+def _fewer_digits(text: str, width: int) -> str | None:
+    """The number ``text`` in as many significant digits as fit in ``width`` columns, None if
+    it is no number or not even one digit fits: cut like text, ``2.99817e-05`` read as
+    ``2.99817…`` and ``-9223372036854775808`` as ``-922337…``."""
+    try:
+        value: float | complex = complex(text) if text.endswith("j") else float(text)
+    except ValueError:
+        return None
+    for digits in range(6, 0, -1):
+        shorter = format(value, f".{digits}g")
+        if len(shorter) <= width:
+            return shorter
+    return None
 
 
 def _start(text: str, width: int) -> str:
@@ -130,7 +150,8 @@ def _padded(text: str, width: int) -> str:
 @dataclass
 class Column:
     """A table column: ``min_width`` is how far it may be shortened (None: never), and
-    ``elide`` which part of a long cell is cut (``"middle"`` for names, else ``"end"``)."""
+    ``elide`` which part of a long cell is cut (``"middle"`` for names, else ``"end"``;
+    ``"number"`` writes numbers in fewer digits, see :func:`elide`)."""
 
     header: str
     min_width: int | None = None

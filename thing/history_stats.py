@@ -38,7 +38,7 @@ from .value_trees import SINGLE_LEAF
 
 COLUMNS = ("step", "rank", "arrived", "shape", "min", "max", "mean", "std", "norm", "nan",
            "inf")
-# Above this many elements the top singular value is found by power iteration.
+# Above this many elements the top singular value is found by Lanczos (see _lanczos).
 EXACT_SPECTRAL_ELEMENTS = 1 << 22
 MAX_WAITING = 10_000  # ids the worker may have queued; beyond, they wait for stats()
 IDLE_GAP = 0.02  # seconds without an arrival before the worker starts on what waits
@@ -104,7 +104,7 @@ def is_header_number(tree: Any) -> bool:
 
 def top_singular_value(capture: Capture) -> Optional[float]:
     """The largest singular value of a 2-D array capture (None for anything else); exact up
-    to 2**22 elements, by power iteration above; NaN for one that holds a NaN or an
+    to 2**22 elements, by Lanczos bidiagonalization above; NaN for one that holds a NaN or an
     infinity, whose norm is no number."""
     known = capture_stats(capture)
     if known.spectral is None and known.values is not None:
@@ -121,8 +121,16 @@ def top_singular_value(capture: Capture) -> Optional[float]:
                 return None
             known.spectral = (float(np.linalg.norm(matrix, 2))
                               if matrix.size <= EXACT_SPECTRAL_ELEMENTS
-                              else _power_iteration(matrix))
+                              else _lanczos(matrix))
     return known.spectral
+
+
+def _orthogonal(vector: np.ndarray, basis: np.ndarray) -> np.ndarray:
+    """``vector`` less its projection on the orthonormal rows of ``basis``, twice (once
+    leaves rounding of the size of what it took away)."""
+    for _ in range(2):
+        vector = vector - basis.T @ (basis.conj() @ vector)
+    return vector
 
 
 def capture_histogram(capture: Capture, bins: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
@@ -146,7 +154,17 @@ def capture_histogram(capture: Capture, bins: int) -> Optional[tuple[np.ndarray,
     return value_histogram(array, spec, bins, float(values.min), float(values.max))
 
 
-def _power_iteration(matrix: np.ndarray, steps: int = 100) -> float:
+def _lanczos(matrix: np.ndarray, steps: int = 64) -> float:
+    """The top singular value of a large matrix, from ``steps`` steps of Golub-Kahan
+    bidiagonalization (Lanczos), every new vector orthogonalized against all before it.
+
+    Power iteration (100 steps) read a weight matrix's value 0.1-0.3 % low: a random
+    matrix's top singular values lie close together, and power iteration converges as
+    fast as they differ. The largest singular value of the small bidiagonal matrix these
+    steps build converges far faster: for a random 2100 x 2100 matrix, within 3e-11 of
+    the exact value (1e-4 after 32 steps), in as many products with the matrix as 64
+    steps of power iteration take (0.25 s here).
+    """
     largest = float(np.max(np.abs(matrix)))
     if largest == 0.0:
         return 0.0
@@ -155,12 +173,32 @@ def _power_iteration(matrix: np.ndarray, steps: int = 100) -> float:
     scale = math.frexp(largest)[1]
     half = scale // 2  # in two steps: 2**1074 (a subnormal's scale) is no float64
     matrix = matrix * math.ldexp(1.0, -half) * math.ldexp(1.0, half - scale)
-    vector = np.random.default_rng(0).standard_normal(matrix.shape[1]).astype(matrix.dtype)
-    for _ in range(steps):
-        vector = matrix.conj().T @ (matrix @ vector)
-        vector /= np.linalg.norm(vector) or 1.0
+    steps = min(steps, *matrix.shape)
+    lefts = np.zeros((steps, matrix.shape[0]), matrix.dtype)
+    rights = np.zeros((steps, matrix.shape[1]), matrix.dtype)
+    diagonal, above = np.zeros(steps), np.zeros(steps)
+    right = np.random.default_rng(0).standard_normal(matrix.shape[1]).astype(matrix.dtype)
+    right /= np.linalg.norm(right)
+    done, negligible = 0, 0.0
+    while done < steps:
+        rights[done] = right
+        left = _orthogonal(matrix @ right, lefts[:done])
+        diagonal[done] = alpha = float(np.linalg.norm(left))
+        negligible = max(negligible, 1e-12 * alpha)
+        done += 1
+        if alpha <= negligible:
+            break
+        lefts[done - 1] = left / alpha
+        right = _orthogonal(matrix.conj().T @ lefts[done - 1], rights[:done])
+        above[done - 1] = beta = float(np.linalg.norm(right))
+        # An invariant subspace: its values are the matrix's (a low-rank matrix). Going on
+        # would normalize what is left of rounding into vectors no longer orthogonal.
+        if beta <= negligible:
+            break
+        right /= beta
+    bidiagonal = np.diag(diagonal[:done]) + np.diag(above[:done - 1], 1)
     try:
-        return math.ldexp(float(np.linalg.norm(matrix @ vector)), scale)
+        return math.ldexp(float(np.linalg.norm(bidiagonal, 2)), scale)
     except OverflowError:  # a norm beyond float64 (a large matrix of 1e308s)
         return math.inf
 

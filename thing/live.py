@@ -101,8 +101,8 @@ def view(store: HistoryStore, info: ServerInfo, rows: int, width: int | None = N
                    f"{len(store)} kept ({bytes_text(store.held_bytes)}), "
                    f"{clients} client{'s' if clients != 1 else ''}", width - 2)
     table = Table(None, [Column("arrived"), Column("id"), Column("name", 16, "middle"),
-                         Column("rank"), Column("shape"), Column("dtype"), Column("value", 8),
-                         Column("sender", 10, "middle")],
+                         Column("rank"), Column("shape"), Column("dtype"),
+                         Column("value", 8, "number"), Column("sender", 10, "middle")],
                   [_arrival_row(capture) for capture in recent],
                   [] if recent else ["waiting for the first capture..."],
                   [("shrink", "value"), ("shrink", "sender"), ("drop", "sender"),
@@ -132,7 +132,7 @@ def _sparkline_table(store: HistoryStore, width: int, names: int = 5) -> Table |
         return None
     shown = max(len(row[1]) for row in rows)  # the longest sparkline: as many values
     return Table(None, [Column("name", 12, "middle"), Column(f"last {shown}"),
-                        Column("value", 8)], rows, [],
+                        Column("value", 8, "number")], rows, [],
                  [("shrink", "value"), ("shrink", "name")])
 
 

@@ -39,7 +39,7 @@ from .display import elide, in_notebook, print_drawing, say, say_once, terminal_
 from .errors import ArgumentError, ThingError
 from .log import log
 from .plot_series import AUTO, DEFAULT_BINS, Chart, Histogram, Names, chart, histogram
-from .reports import number
+from .reports import numbers_apart
 from .store import HistoryStore
 
 Drawing = Union[Chart, Histogram]
@@ -263,7 +263,7 @@ def _uniplot(lines: list[tuple[str, np.ndarray, np.ndarray]], title: str, width:
         return f"{title}: no finite values"
     low, high = _span(np.concatenate([y for _, _, y in kept]))
     x_low, x_high = _span(np.concatenate([x for _, x, _ in kept]))
-    marks = _marks([high, low / 2 + high / 2, low])  # halved: -1e308 + 1e308 would overflow
+    marks = numbers_apart([high, low / 2 + high / 2, low])  # halved: -1e308 + 1e308 would overflow
     room = max(len(mark) for mark in marks) + 1
     # Without colour, braille lines all look alike: several are each drawn in a symbol of
     # their own, which the legend shows, at a quarter of braille's resolution a row (as
@@ -283,17 +283,6 @@ def _uniplot(lines: list[tuple[str, np.ndarray, np.ndarray]], title: str, width:
     for row, mark in zip((top, (top + bottom) // 2, bottom), marks):
         rows[row] += " " + mark
     return "\n".join(rows)
-
-
-def _marks(values: list[float]) -> list[str]:
-    """``values`` as labels in 6 significant digits, or as many more as it takes to tell
-    them apart (a loss on a plateau: 0.6931470 to 0.6931475)."""
-    marks = [number(value) for value in values]
-    digits = 7
-    while len(set(marks)) < len(set(values)) and digits <= 17:
-        marks = [f"{value:.{digits}g}" for value in values]
-        digits += 1
-    return marks
 
 
 def _span(values: np.ndarray) -> tuple[float, float]:
@@ -329,9 +318,10 @@ def _sparklines(drawing: Drawing, width: int) -> str:
     if isinstance(drawing, Histogram):
         lines = [drawing.title]
         most = max(int(drawing.counts.max()), 1)
-        for low, count in zip(drawing.edges, drawing.counts):
+        edges = numbers_apart([float(low) for low in drawing.edges[:len(drawing.counts)]])
+        for edge, count in zip(edges, drawing.counts):
             bar = "█" * int(round(count / most * max(width - 24, 5)))
-            lines.append(f"{number(float(low)):>10} {bar} {count}")
+            lines.append(f"{edge:>10} {bar} {count}")
         return "\n".join([*lines, *(elide(note, width) for note in drawing.notes)])
     lines = [f"{drawing.title} over steps"]
     for panel in drawing.panels:
@@ -342,11 +332,12 @@ def _sparklines(drawing: Drawing, width: int) -> str:
             # The last value as it is (a NaN too, not the last finite one; a capture with no
             # such number, a dict among numbers, says so); min and max of the finite ones.
             last = float(series.values[-1])
-            shown = number(last) if math.isfinite(last) or np.isin(
-                series.steps[-1], series.non_finite) else "(no number)"
-            span = f"last {shown}, " + (
-                f"min {number(float(finite.min()))}, max {number(float(finite.max()))}"
-                if finite.size else "no finite values")
+            low, high, shown = numbers_apart([float(finite.min()), float(finite.max()), last]
+                                             if finite.size else [math.nan, math.nan, last])
+            if not (math.isfinite(last) or np.isin(series.steps[-1], series.non_finite)):
+                shown = "(no number)"
+            span = f"last {shown}, " + (f"min {low}, max {high}" if finite.size
+                                        else "no finite values")
             lines.append(elide(f"{elide(label, 24, 'middle')}  "
                                f"{sparkline(series.values, max(width - 60, 8))}  {span}", width))
     return "\n".join([*lines, *(elide(note, width) for note in drawing.notes)])

@@ -190,8 +190,10 @@ def recent_values(store: HistoryStore, name: str, count: int
         return None
     rank = captures[-1].rank
     label = name if rank is None else f"{name} rank {rank}"
-    return label, _stat_values("value", [capture_stats(c).values if _single_number(c) else None
-                                         for c in captures])
+    values = [capture_stats(c).values if _single_number(c) else None for c in captures]
+    if values[-1] is not None and values[-1].magnitude:  # as plot() says of complex values
+        label += " |x|"
+    return label, _stat_values("value", values)
 
 
 def _single_number(capture: Capture) -> bool:

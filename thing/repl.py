@@ -207,9 +207,9 @@ def stats(name: str, rank: int | None = None, run: str | None = None, *,
     Columns: step, rank, arrived, shape, min, max, mean, std, norm (L2), nan,
     inf (over the finite values; magnitudes for complex), with ``run="all"``
     the run after the rank, and with ``spectral=True`` the top singular value
-    of 2-D arrays (estimated by power iteration above 2**22 elements, where it
-    may read a fraction of a percent low). Worked out once
-    per capture, in the background as it arrives (``THING_STATS_SHARE``).
+    of 2-D arrays (above 2**22 elements estimated by Lanczos, to about 1e-10 of
+    it). Worked out once per capture, in the background as it arrives
+    (``THING_STATS_SHARE``).
     ``rank=`` and ``run=`` select as in :func:`get_all`. A pandas DataFrame
     when pandas is installed, else a table that prints as one (``to_dict()``).
     """

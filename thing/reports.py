@@ -68,7 +68,7 @@ def summary(store: HistoryStore, info: ServerInfo | None, max_items: int | None 
                      ago(capture.received_at, now), sender_text(capture)])
     columns = [Column("name", 16, "middle"), Column("run", 8, "middle"), Column("rank"),
                Column("shape", 9, "middle"), Column("dtype", 7), Column("from"),
-               Column("value", 8),
+               Column("value", 8, "number"),
                Column("kept"), Column("arrived"), Column("sender", 10, "middle")]
     unused = set() if several_runs else {"run"}
     if not ranked:
@@ -274,10 +274,11 @@ def _stats_pairs(stats: ArrayStats | None) -> list[tuple[str, str]]:
     over = "" if stats.finite == stats.count else f" (over the {stats.finite} finite values)"
     pairs = [("elements", str(stats.count))]
     if stats.finite:
+        low, high, mean = numbers_apart([stats.min, stats.max, stats.mean])
         pairs += [
-            (f"min{of}", number(stats.min)),
-            (f"max{of}", number(stats.max)),
-            (f"mean{of}", number(stats.mean) + over),
+            (f"min{of}", low),
+            (f"max{of}", high),
+            (f"mean{of}", mean + over),
             (f"std{of}", number(stats.std) + over),
             ("L2 norm", number(stats.norm) + over),
         ]
@@ -292,9 +293,9 @@ def _leaf_table(capture: Capture) -> Table:
     for (path, leaf), spec in zip(_leaf_paths(capture.value), capture.leaves):
         stats = None if spec.framework == "bytes" else array_stats(leaf, spec)
         shape = f"{spec.shape[0]} bytes" if spec.framework == "bytes" else shape_text(spec.shape)
-        numbers = ["" if stats is None or x is None else f"{x:.4g}" for x in (
-            None if stats is None else (stats.min, stats.max, stats.mean, stats.std, stats.norm)
-        ) or (None,) * 5]
+        numbers = ["", "", "", "", ""] if stats is None or stats.min is None else [
+            *numbers_apart([stats.min, stats.max, stats.mean]), number(stats.std),
+            number(stats.norm)]
         counts = ["", ""] if stats is None else [str(stats.nan), str(stats.inf)]
         dtype = "-" if spec.framework == "bytes" else spec.dtype
         if stats is not None and stats.magnitude:  # said on the path: dtype may be dropped
@@ -499,6 +500,21 @@ def number(x: Any) -> str:
     if isinstance(x, (float, complex)) and not isinstance(x, bool):
         return f"{x:.6g}"
     return repr(x) if isinstance(x, (bool, type(None))) else str(x)
+
+
+def numbers_apart(values: list[Any]) -> list[str]:
+    """``values`` as :func:`number` writes them, floats in as many more digits as it takes
+    to tell apart those that differ (a loss on a plateau: 0.6931470 to 0.6931475; a min
+    and max of 99999995 and 100000005, which 6 digits both write 1e+08)."""
+    texts = [number(value) for value in values]
+    distinct = len({value for value in values if value == value})  # a NaN equals nothing
+    digits = 6
+    while len({text for text, value in zip(texts, values) if value == value}) < distinct \
+            and digits < 17:
+        digits += 1
+        texts = [f"{value:.{digits}g}" if isinstance(value, float) else number(value)
+                 for value in values]
+    return texts
 
 
 def bytes_text(nbytes: int) -> str:
