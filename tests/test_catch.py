@@ -476,10 +476,14 @@ def test_sizes_are_taken_with_units_as_the_command_line_takes_them(monkeypatch, 
         assert server.store.max_bytes == 4 << 30
     assert config.snapshot_bytes() == 16 << 10 and config.queue_max_bytes() == 3_000_000
     assert config.max_header_bytes() == 3 << 19
-    for junk in ("4 gigs", "-5", "inf"):
+    for junk in ("4 gigs", "G", "inf"):
         monkeypatch.setenv("THING_STORE_BYTES", junk)
         assert config.store_max_bytes() == config._physical_memory() // 2
         assert f"ignoring THING_STORE_BYTES={junk!r}: not a size" in caplog.text
+    # What float() reads still reads as before: -1 copies nothing at the call, as 0 does.
+    for plain, size in (("-1", -1), ("+5", 5), ("1_000", 1000), ("5.", 5)):
+        monkeypatch.setenv("THING_SNAPSHOT_BYTES", plain)
+        assert config.snapshot_bytes() == size
 
 
 def test_a_huge_integer_setting_is_taken_as_the_most_it_can_be(server: thing.Server,

@@ -112,6 +112,13 @@ def test_top_singular_values(server: thing.Server) -> None:
     store.add("weights", weights, (), 0, Sender("a:1"))
     value = _columns(stats_table(store, "weights", spectral=True))["spectral"][0]
     assert value == pytest.approx(np.linalg.norm(weights.astype(np.float64), 2), rel=1e-9)
+    # A few long rows (an embedding's few channels): the first version of the estimate
+    # read a 1 x 5,000,000 matrix's 2236 as 0.08.
+    for shape in ((1, 5_000_000), (3, 2_000_000)):
+        rows = np.random.default_rng(2).standard_normal(shape)
+        store.add(f"rows{shape}", rows, (), 0, Sender("a:1"))
+        value = _columns(stats_table(store, f"rows{shape}", spectral=True))["spectral"][0]
+        assert value == pytest.approx(np.linalg.norm(rows, 2), rel=1e-9)
 
 
 def test_the_large_estimate_holds_at_magnitudes_whose_products_overflow_or_vanish() -> None:

@@ -819,12 +819,14 @@ def test_the_status_view_fits_80_columns(default: thing.Server) -> None:
 def test_numbers_shortened_to_fit_keep_their_exponent_and_digits_that_tell_them_apart(
         default: thing.Server, capsys) -> None:
     """Cut from the end to fit 80 columns, a learning rate of 2.99817e-05 read as
-    "2.99817…" and -2**63 as "-922337…"; describe() wrote a min of 99999995 and a max
+    "2.99817…" and -2**63 as "-922337…" (and 10**400, shortened, must not read inf);
+    describe() wrote a min of 99999995 and a max
     of 100000005 both as 1e+08 (beside a std of 4), and its table of a dict's arrays a min
     of 0.99995 as 1."""
     send(default.port, """
         caught = {"model.optimizer.param_groups.0.lr": 2.99817e-05,
                   "model.layers.11.attention.scale": -2**63,
+                  "model.layers.11.attention.count": 10**400,
                   "offset": np.array([1e8 - 5, 1e8 + 5, 1e8]),
                   "d": {"p": np.array([0.99995, 0.99999, 1.0])}}
         for name, value in caught.items():
@@ -838,6 +840,8 @@ def test_numbers_shortened_to_fit_keep_their_exponent_and_digits_that_tell_them_
         lr = next(line for line in text.splitlines() if "param_groups" in line).split()
         assert any(float(token) == pytest.approx(3e-05, rel=0.01) for token in lr
                    if token[0].isdigit()), lr
+        count = next(line for line in text.splitlines() if "attention.count" in line)
+        assert "e+400" in count and "inf" not in count, count  # float() makes it inf
     thing.describe("offset")
     fields = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines()[1:]
                   if line.strip())

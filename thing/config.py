@@ -34,21 +34,22 @@ def _env_bytes(name: str, default: int) -> int:
         log.warning("ignoring %s=%r: not a size (try 4G, 512M or 4096); using %s", name, raw,
                     default)
         return default
-    return min(size, _MAX_INT)
+    return max(min(size, _MAX_INT), -_MAX_INT)
 
 
-_SIZE = re.compile(r"(\d*\.?\d+(?:e[+-]?\d+)?) ?([kmgt]?)(?:ib|b)?", re.IGNORECASE)
+# A number as float() reads it (a sign, 1_000, 4e9), then a unit: K, KB, KiB, ... T.
+_SIZE = re.compile(r"(.*?)\s*([kmgt]?)(?:ib|b)?", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_size(text: str) -> int | None:
-    """``20G``, ``512MiB``, ``1.5g``, ``4e9``, ``4096``: bytes (K, M, G and T are powers of
-    1024); None if ``text`` is no size."""
-    match = _SIZE.fullmatch(text.strip())
-    if match is None:
+    """``20G``, ``512MiB``, ``1.5g``, ``4e9``, ``4096``, ``-1``: bytes (K, M, G and T are
+    powers of 1024); None if ``text`` is no size."""
+    number, unit = _SIZE.fullmatch(text.strip()).groups()  # type: ignore[union-attr]
+    try:
+        size = float(number) * _SIZE_UNITS[unit.upper()]
+    except ValueError:
         return None
-    number, unit = match.groups()
-    size = float(number) * _SIZE_UNITS[unit.upper()]
     return int(size) if math.isfinite(size) else None
 
 

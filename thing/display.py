@@ -17,11 +17,13 @@ the text. Nothing here imports more than the standard library.
 
 from __future__ import annotations
 
+import cmath
 import html
 import shutil
 import sys
 import unicodedata
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, Union
 
 GAP = "  "  # between columns
@@ -74,10 +76,15 @@ def _fewer_digits(text: str, width: int) -> str | None:
     """The number ``text`` in as many significant digits as fit in ``width`` columns, None if
     it is no number or not even one digit fits: cut like text, ``2.99817e-05`` read as
     ``2.99817…`` and ``-9223372036854775808`` as ``-922337…``."""
+    bare = text.strip("()")  # numpy writes a complex64 (1+2j)
     try:
-        value: float | complex = complex(text) if text.endswith("j") else float(text)
+        value: float | complex | Decimal = complex(bare) if bare.endswith("j") else float(bare)
     except ValueError:
         return None
+    if not cmath.isfinite(value) and "inf" not in bare.lower() and "nan" not in bare.lower():
+        if isinstance(value, complex):  # a part past float64: cut as text
+            return None
+        value = Decimal(bare)  # an int past float64 (10**400), which float() makes inf
     for digits in range(6, 0, -1):
         shorter = format(value, f".{digits}g")
         if len(shorter) <= width:

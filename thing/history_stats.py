@@ -38,7 +38,7 @@ from .value_trees import SINGLE_LEAF
 
 COLUMNS = ("step", "rank", "arrived", "shape", "min", "max", "mean", "std", "norm", "nan",
            "inf")
-# Above this many elements the top singular value is found by Lanczos (see _lanczos).
+# Above this many elements the top singular value is estimated (see _large_singular_value).
 EXACT_SPECTRAL_ELEMENTS = 1 << 22
 MAX_WAITING = 10_000  # ids the worker may have queued; beyond, they wait for stats()
 IDLE_GAP = 0.02  # seconds without an arrival before the worker starts on what waits
@@ -121,7 +121,7 @@ def top_singular_value(capture: Capture) -> Optional[float]:
                 return None
             known.spectral = (float(np.linalg.norm(matrix, 2))
                               if matrix.size <= EXACT_SPECTRAL_ELEMENTS
-                              else _lanczos(matrix))
+                              else _large_singular_value(matrix))
     return known.spectral
 
 
@@ -154,9 +154,10 @@ def capture_histogram(capture: Capture, bins: int) -> Optional[tuple[np.ndarray,
     return value_histogram(array, spec, bins, float(values.min), float(values.max))
 
 
-def _lanczos(matrix: np.ndarray, steps: int = 64) -> float:
-    """The top singular value of a large matrix, from ``steps`` steps of Golub-Kahan
-    bidiagonalization (Lanczos), every new vector orthogonalized against all before it.
+def _large_singular_value(matrix: np.ndarray, steps: int = 64) -> float:
+    """The top singular value of a large matrix: exact for one with at most ``steps`` rows
+    or columns, else from ``steps`` steps of Golub-Kahan bidiagonalization (Lanczos), every
+    new vector orthogonalized against all before it.
 
     Power iteration (100 steps) read a weight matrix's value 0.1-0.3 % low: a random
     matrix's top singular values lie close together, and power iteration converges as
@@ -173,7 +174,22 @@ def _lanczos(matrix: np.ndarray, steps: int = 64) -> float:
     scale = math.frexp(largest)[1]
     half = scale // 2  # in two steps: 2**1074 (a subnormal's scale) is no float64
     matrix = matrix * math.ldexp(1.0, -half) * math.ldexp(1.0, half - scale)
-    steps = min(steps, *matrix.shape)
+    if matrix.shape[0] > matrix.shape[1]:
+        matrix = matrix.T  # the same values; the vectors kept below are then the shorter
+    if matrix.shape[0] <= steps:  # a few rows: their Gram matrix, no larger, says exactly
+        gram = matrix @ matrix.conj().T
+        top = math.sqrt(max(float(np.linalg.eigvalsh(gram)[-1]), 0.0))
+    else:
+        top = _lanczos(matrix, steps)
+    try:
+        return math.ldexp(top, scale)
+    except OverflowError:  # a norm beyond float64 (a large matrix of 1e308s)
+        return math.inf
+
+
+def _lanczos(matrix: np.ndarray, steps: int) -> float:
+    """The top singular value of ``matrix`` (more than ``steps`` rows and columns, entries
+    of at most 1) after ``steps`` steps of bidiagonalization."""
     lefts = np.zeros((steps, matrix.shape[0]), matrix.dtype)
     rights = np.zeros((steps, matrix.shape[1]), matrix.dtype)
     diagonal, above = np.zeros(steps), np.zeros(steps)
@@ -196,11 +212,12 @@ def _lanczos(matrix: np.ndarray, steps: int = 64) -> float:
         if beta <= negligible:
             break
         right /= beta
-    bidiagonal = np.diag(diagonal[:done]) + np.diag(above[:done - 1], 1)
-    try:
-        return math.ldexp(float(np.linalg.norm(bidiagonal, 2)), scale)
-    except OverflowError:  # a norm beyond float64 (a large matrix of 1e308s)
-        return math.inf
+    # The steps' bidiagonal matrix with the last step's beta beside it: its top value is
+    # the norm of the matrix on the left vectors found, never above the matrix's own.
+    bidiagonal = np.zeros((done, done + 1))
+    bidiagonal[np.arange(done), np.arange(done)] = diagonal[:done]
+    bidiagonal[np.arange(done), np.arange(1, done + 1)] = above[:done]
+    return float(np.linalg.norm(bidiagonal, 2))
 
 
 class StatsWorker:

@@ -116,7 +116,6 @@ def _sparkline_table(store: HistoryStore, width: int, names: int = 5) -> Table |
     numbers, one sparkline each."""
     from .plot_drawing import sparkline
     from .plot_series import recent_values
-    from .reports import number
 
     columns = max(min(width - 34, 60), 8)
     rows = []
@@ -124,8 +123,10 @@ def _sparkline_table(store: HistoryStore, width: int, names: int = 5) -> Table |
         recent = recent_values(store, capture.name, columns)
         if recent is None or any(row[0] == recent[0] for row in rows):
             continue
-        label, values = recent
-        rows.append([label, sparkline(values, columns), number(float(values[-1]))])
+        label, values, newest = recent
+        # The value as caught (10**400, which the sparkline's floats make inf; a complex
+        # drawn as |z|), as the arrivals below show it.
+        rows.append([label, sparkline(values, columns), row_kind(newest)[3]])
         if len(rows) == names:
             break
     if not rows:

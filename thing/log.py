@@ -1,8 +1,9 @@
-"""The ``thing`` logger, made on first use.
+"""The ``thing`` logger, made on first use, and :class:`LogOnce`.
 
 ``import logging`` is about 3 ms, close to half of ``import thing`` in a training job
-that imports nothing else that logs (numpy does not). The client path logs only when
-something goes wrong, so the logger (and the module) are made then.
+that imports nothing else that logs (numpy does not). So ``import thing`` does not
+import it: the logger (and the module) are made when a job opens its first connection
+(:meth:`_Logger.ready`, on the thread that opens it), or when something logs first.
 """
 
 from __future__ import annotations
@@ -42,29 +43,34 @@ log: Any = _Logger()
 
 
 class LogOnce:
-    """Logs a message of each kind (its ``key``) once, or once every ``per`` seconds;
-    the repeats go to debug. A job that loses its server every second, or a peer that
-    misbehaves on every connection, would otherwise fill the log.
+    """Logs a message of each kind (its ``key``) once, or once every ``per`` seconds, and
+    says nothing of the repeats: a job that loses its server every second, or a catch
+    that fails at every step, would otherwise fill the log (and pay for each record).
 
-    At most ``MAX_KEYS`` keys are remembered; past that the memory starts over, so that
-    keys made of names or addresses cannot grow it without bound and a new kind of
-    message is never kept quiet.
+    At most ``MAX_KEYS`` kinds are remembered, those whose ``per`` has run out forgotten
+    first: keys made of names or addresses can grow neither the memory nor the log
+    without bound. While that many are remembered, a new kind goes to debug.
     """
 
     MAX_KEYS = 1000
 
     def __init__(self, per: float = math.inf):
         self.per = per
-        self._logged_at: dict[Hashable, float] = {}
+        self._logged_at: dict[Hashable, float] = {}  # oldest first
 
     def __call__(self, key: Hashable, level: int, message: str, *args: Any,
                  exc_info: bool = False) -> None:
         now = time.monotonic()
-        logged_at = self._logged_at.get(key)
-        if logged_at is not None and now - logged_at < self.per:
+        logged = self._logged_at
+        logged_at = logged.get(key)
+        if logged_at is not None:
+            if now - logged_at < self.per:
+                return
+            del logged[key]  # logged again below, as the newest
+        while logged and now - next(iter(logged.values())) >= self.per:
+            del logged[next(iter(logged))]
+        if len(logged) >= self.MAX_KEYS:
             log.debug(message, *args, exc_info=exc_info)
             return
-        if len(self._logged_at) >= self.MAX_KEYS:
-            self._logged_at.clear()
-        self._logged_at[key] = now
+        logged[key] = now
         log.log(level, message, *args, exc_info=exc_info)

@@ -181,10 +181,10 @@ def histogram(store: HistoryStore, name_or_id: Union[str, int], index: int = 0,
 
 
 def recent_values(store: HistoryStore, name: str, count: int
-                  ) -> Optional[tuple[str, np.ndarray]]:
-    """``(label, values)``: the last ``count`` values of a name whose newest capture is a
-    single number, from the rank and run of that capture (the label names the rank); None
-    for any other name. For ``thing.status()``'s sparklines."""
+                  ) -> Optional[tuple[str, np.ndarray, Capture]]:
+    """``(label, values, newest)``: the last ``count`` values of a name whose ``newest``
+    capture is a single number, from the rank and run of that capture (the label names the
+    rank); None for any other name. For ``thing.status()``'s sparklines."""
     captures = store.recent_of(name, count)
     if not captures or not _single_number(captures[-1]):
         return None
@@ -193,7 +193,7 @@ def recent_values(store: HistoryStore, name: str, count: int
     values = [capture_stats(c).values if _single_number(c) else None for c in captures]
     if values[-1] is not None and values[-1].magnitude:  # as plot() says of complex values
         label += " |x|"
-    return label, _stat_values("value", values)
+    return label, _stat_values("value", values), captures[-1]
 
 
 def _single_number(capture: Capture) -> bool:
