@@ -189,17 +189,7 @@ class Connection:
         sock, settings = self.sock, self.settings
         set_timeouts(sock, settings.idle_timeout, settings.idle_timeout)
         self._deadline.start()
-        prefix = self._stream.read(wire.HANDSHAKE.size)
-        try:
-            _, length = wire.decode_handshake_prefix(prefix)
-        except HandshakeError as exc:
-            if prefix[:4] == wire.MAGIC:  # a thing peer of another version: tell it why
-                # Read its hello first: closing with unread bytes would reset the
-                # connection and lose the refusal on the way.
-                self._discard(min(wire.HANDSHAKE.unpack(prefix)[3], wire.MAX_HANDSHAKE_JSON))
-                self._refuse(str(exc))
-            raise
-        info = wire.decode_handshake_info(self._stream.read(length))
+        info = self._read_handshake()
         if refusal is not None:
             self._refuse(refusal)
             raise HandshakeError(refusal)
@@ -240,8 +230,7 @@ class Connection:
                      "proof": auth.server_proof(token, client_nonce, server_nonce)}
         send_buffers(self.sock, [wire.encode_handshake(challenge, wire.HANDSHAKE_CHALLENGE)])
         try:
-            _, length = wire.decode_handshake_prefix(self._stream.read(wire.HANDSHAKE.size))
-            answer = wire.decode_handshake_info(self._stream.read(length))
+            answer = self._read_handshake()
         except ConnectionError:
             # A client with another token refuses our proof and hangs up: say so in the REPL.
             raise HandshakeError("a client hung up at the token check (its token differs from "
@@ -253,6 +242,21 @@ class Connection:
         self.mac = auth.SessionMac(token, client_nonce, server_nonce)
         self._trailer_size = wire.FRAME_TRAILER.size + auth.MAC_BYTES
         return answer
+
+    def _read_handshake(self) -> dict[str, Any]:
+        """The peer's next handshake message, its JSON object. A thing peer of another
+        version is told why before HandshakeError is raised."""
+        prefix = self._stream.read(wire.HANDSHAKE.size)
+        try:
+            _, length = wire.decode_handshake_prefix(prefix)
+        except HandshakeError as exc:
+            if prefix[:4] == wire.MAGIC:  # a thing peer of another version: tell it why
+                # Read its message first: closing with unread bytes would reset the
+                # connection and lose the refusal on the way.
+                self._discard(min(wire.HANDSHAKE.unpack(prefix)[3], wire.MAX_HANDSHAKE_JSON))
+                self._refuse(str(exc))
+            raise
+        return wire.decode_handshake_info(self._stream.read(length))
 
     def _refuse(self, reason: str) -> None:
         send_buffers(self.sock, [wire.encode_handshake({"error": reason}, wire.HANDSHAKE_REFUSED)])
