@@ -293,9 +293,11 @@ def _leaf_table(capture: Capture) -> Table:
     for (path, leaf), spec in zip(_leaf_paths(capture.value), capture.leaves):
         stats = None if spec.framework == "bytes" else array_stats(leaf, spec)
         shape = f"{spec.shape[0]} bytes" if spec.framework == "bytes" else shape_text(spec.shape)
+        # Four digits, as a table of many columns at 80 has room for; more where min, max
+        # and mean differ in later ones.
         numbers = ["", "", "", "", ""] if stats is None or stats.min is None else [
-            *numbers_apart([stats.min, stats.max, stats.mean]), number(stats.std),
-            number(stats.norm)]
+            *numbers_apart([stats.min, stats.max, stats.mean], 4), f"{stats.std:.4g}",
+            f"{stats.norm:.4g}"]
         counts = ["", ""] if stats is None else [str(stats.nan), str(stats.inf)]
         dtype = "-" if spec.framework == "bytes" else spec.dtype
         if stats is not None and stats.magnitude:  # said on the path: dtype may be dropped
@@ -502,19 +504,19 @@ def number(x: Any) -> str:
     return repr(x) if isinstance(x, (bool, type(None))) else str(x)
 
 
-def numbers_apart(values: list[Any]) -> list[str]:
-    """``values`` as :func:`number` writes them, floats in as many more digits as it takes
-    to tell apart those that differ (a loss on a plateau: 0.6931470 to 0.6931475; a min
-    and max of 99999995 and 100000005, which 6 digits both write 1e+08)."""
-    texts = [number(value) for value in values]
+def numbers_apart(values: list[Any], digits: int = 6) -> list[str]:
+    """``values`` as :func:`number` writes them, floats in ``digits`` significant digits or
+    as many more as it takes to tell apart those that differ (a loss on a plateau:
+    0.6931470 to 0.6931475; a min and max of 99999995 and 100000005, which 6 digits both
+    write 1e+08)."""
     distinct = len({value for value in values if value == value})  # a NaN equals nothing
-    digits = 6
-    while len({text for text, value in zip(texts, values) if value == value}) < distinct \
-            and digits < 17:
-        digits += 1
+    while True:
         texts = [f"{value:.{digits}g}" if isinstance(value, float) else number(value)
                  for value in values]
-    return texts
+        told_apart = len({text for text, value in zip(texts, values) if value == value})
+        if told_apart == distinct or digits >= 17:
+            return texts
+        digits += 1
 
 
 def bytes_text(nbytes: int) -> str:
