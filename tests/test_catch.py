@@ -461,6 +461,12 @@ def test_settings_that_would_spin_or_never_send_are_kept_in_bounds(monkeypatch) 
     assert config.send_timeout() == config.connect_timeout() == 0.1
     monkeypatch.setenv("THING_RECONNECT_INTERVAL", "-3")
     assert config.reconnect_interval() == 0.05
+    # A port out of range (a traceback from bind), a store that refuses every capture.
+    for port in ("70000", "-5"):
+        monkeypatch.setenv("THING_PORT", port)
+        assert config.serve_port() == config.server_address()[1] == config.DEFAULT_PORT
+    monkeypatch.setenv("THING_STORE_BYTES", "-1")
+    assert config.store_max_bytes() == config._physical_memory() // 2
 
 
 def test_sizes_are_taken_with_units_as_the_command_line_takes_them(monkeypatch, caplog) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -182,3 +185,102 @@ def test_main_returns_an_exit_status_in_process() -> None:
             print("exit", exit.code)
     """))
     assert "usage: thing" in out and "exit 0" in out
+
+
+def _send(port: int, count: int, size: int) -> None:
+    run_script(f"""
+        import thing, numpy as np
+        client = thing.Client("127.0.0.1", {port})
+        for i in range({count}):
+            client.catch(np.full({size}, i, np.float32), name="x", block=True)
+        assert client.flush(30)
+    """)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_record_stopped_by_ctrl_c_twice_still_writes_what_was_waiting(tmp_path: Path) -> None:
+    """A second Ctrl+C while the recording was being closed aborted the process ("FATAL:
+    exception not rethrown"), its last segment unwritten."""
+    port = _free_port()
+    recording = subprocess.Popen(
+        [sys.executable, "-m", "thing", "record", str(tmp_path / "rec"), "--port", str(port),
+         "--segment-seconds", "600"], env=script_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    assert recording.stdout is not None
+    recording.stdout.readline()  # "thing is recording ...": listening
+    _send(port, 40, 1 << 20)
+    for _ in range(3):
+        recording.send_signal(signal.SIGINT)
+        time.sleep(0.02)
+    out, err = recording.communicate(timeout=60)
+    assert recording.returncode == 0 and "Traceback" not in err, err
+    assert "thing recorded 40 captures" in out
+    assert thing.HistoryStore().load(tmp_path / "rec") == 40
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_serve_recording_stopped_by_a_signal_writes_what_was_waiting(tmp_path: Path,
+                                                                     signum: int) -> None:
+    """SIGTERM (or an ssh session closing: SIGHUP) to `thing serve --record` lost every
+    capture not yet written."""
+    port = _free_port()
+    serving = subprocess.Popen(
+        [sys.executable, "-m", "thing", "serve", "--plain", "--port", str(port), "--record",
+         str(tmp_path / "rec")], env=script_env(), stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert serving.stderr is not None
+    assert "Server started" in serving.stderr.readline()
+    _send(port, 30, 1000)
+    serving.send_signal(signum)
+    serving.communicate(timeout=60)
+    assert serving.returncode == 128 + signum
+    assert thing.HistoryStore().load(tmp_path / "rec") == 30
+
+
+def test_demo_ended_by_a_signal_ends_its_training_process() -> None:
+    """SIGTERM left the demo's training process training, with no server; Ctrl+C printed
+    two tracebacks."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        demo = subprocess.Popen([sys.executable, "-m", "thing", "demo", "--numpy", "--steps",
+                                 "100000000"], env=script_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        assert demo.stdout is not None
+        while "[training process]" not in demo.stdout.readline():  # until it trains
+            pass
+        # Ctrl+C reaches the terminal's whole foreground group; SIGTERM the command only.
+        os.killpg(demo.pid, signum) if signum == signal.SIGINT else demo.send_signal(signum)
+        _, err = demo.communicate(timeout=60)
+        assert demo.returncode == 128 + signum and "Traceback" not in err, err
+        left = subprocess.run(["pgrep", "-s", str(demo.pid)], capture_output=True, text=True)
+        assert left.stdout.split() == [], "the training process outlived the demo"
+
+
+def test_output_to_a_closed_pipe_or_an_ascii_terminal_is_no_traceback() -> None:
+    """`thing demo | head -1` ended in a BrokenPipeError traceback (and the training process
+    printed a logging error a line); an output that cannot encode ─ or braille, a
+    UnicodeEncodeError."""
+    demo = subprocess.Popen([sys.executable, "-m", "thing", "demo", "--numpy", "--steps", "30"],
+                            env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert demo.stdout is not None and demo.stderr is not None
+    demo.stdout.readline()
+    demo.stdout.close()  # as head does, after its first line
+    err = demo.stderr.read().decode()
+    demo.wait(60)
+    assert "Traceback" not in err and "Logging error" not in err, err
+    ascii_out = subprocess.run([sys.executable, "-m", "thing", "demo", "--numpy", "--steps", "30"],
+                               env=script_env(PYTHONIOENCODING="ascii"), capture_output=True,
+                               timeout=120)
+    assert ascii_out.returncode == 0, ascii_out.stderr
+    assert b">>> thing.plot('loss')" in ascii_out.stdout
+
+
+def test_recording_options_without_a_recording_are_refused() -> None:
+    result = subprocess.run([sys.executable, "-m", "thing", "serve", "--max-bytes", "1M"],
+                            env=script_env(), capture_output=True, text=True, timeout=60,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 2 and "need --record DIR" in result.stderr.splitlines()[-1]

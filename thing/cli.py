@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     for command in (serve, record):
         command.add_argument("--max-bytes", type=_size, metavar="SIZE",
                              help="keep the recording under SIZE on disk (e.g. 20G), deleting "
-                                  "its oldest segments first (default: no limit)")
+                                  "its oldest segments first; the newest is always kept, so "
+                                  "give at least --segment-bytes (default: no limit)")
         command.add_argument("--segment-bytes", type=_size, default=64 << 20, metavar="SIZE",
                              help="start a new segment file after SIZE of captures (default 64M)")
         command.add_argument("--segment-seconds", type=_seconds, default=10.0, metavar="S",
@@ -89,6 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--record", metavar="DIR",
                       help="also record what arrives into DIR (then: thing open DIR)")
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.record is None and _recorder_options(args) != (
+            _recorder_options(parser.parse_args(["serve"]))):
+        parser.error("--max-bytes, --segment-bytes and --segment-seconds need --record DIR")
+    try:
+        return _run(args, parser)
+    except BrokenPipeError:  # `thing ... | head`: the reader has gone, and so may we
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 1
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.command == "serve":
         recording = None if args.record is None else (args.record, _recorder_options(args))
         return serve_interactively(args.port, args.host, plain=args.plain, record=recording)
@@ -125,6 +137,7 @@ def serve_interactively(port: int | None = None, host: str | None = None, *,
     where = f"thing is receiving at {server.host}:{server.port}"
     if record is not None:
         where += f", recording into {record[0]}"
+        _on_stop_signals(lambda signum: (_close_undisturbed(server), os._exit(128 + signum)))
     try:
         _interact(f"{where}; `thing` is imported. Try:", plain)
         return 0
@@ -172,7 +185,6 @@ def record_headless(directory: str, port: int | None = None, host: str | None = 
     """``thing record DIR``: receive and record until Ctrl+C or SIGTERM, then write what
     is waiting and stop."""
     import shutil
-    import signal
     import threading
 
     from .errors import ThingError
@@ -200,7 +212,7 @@ def record_headless(directory: str, port: int | None = None, host: str | None = 
         print(f"thing: {_bind_failure(exc, server.host, server.port)}", file=sys.stderr)
         return 1
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    _on_stop_signals(lambda _: stop.set())
     say(f"thing is recording what arrives at {server.host}:{server.port} into {directory}; "
         "Ctrl+C stops.")
     try:
@@ -209,12 +221,35 @@ def record_headless(directory: str, port: int | None = None, host: str | None = 
     except KeyboardInterrupt:
         pass
     finally:
-        server.close()  # writes the open segment
+        _close_undisturbed(server)  # writes the open segment
     dropped = ", ".join(f"{count} {reason}" for reason, count in recorder.dropped.items())
     say(f"thing recorded {counted(recorder.written, 'capture')} in "
         f"{counted(recorder.segments, 'segment')}"
         + (f"; not recorded: {dropped}" if dropped else "") + ".")
     return 0
+
+
+def _on_stop_signals(stop: Callable[[int], object]) -> None:
+    """Call ``stop(signum)`` on SIGTERM, and on SIGHUP (the ssh session it ran in closed)."""
+    import signal
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda number, _: stop(number))
+
+
+def _close_undisturbed(server: Any) -> None:
+    """Close ``server``, writing its recording's open segment, with Ctrl+C and the stop
+    signals held off: a second Ctrl+C in the middle of it aborted the process ("FATAL:
+    exception not rethrown") and left the last segment unwritten."""
+    import signal
+
+    held = {signum: signal.signal(signum, signal.SIG_IGN)
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        server.close()
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
 
 
 def _print_segment(written: SegmentWritten) -> None:
@@ -296,9 +331,20 @@ def run_demo(steps: int = 100, use_torch: bool | None = None, timeout: float = 1
 
     if use_torch is None:
         use_torch = importlib.util.find_spec("torch") is not None
+    from .errors import ThingError
+
+    # SIGTERM (or SIGHUP) ends the demo as Ctrl+C does: the finally blocks below end its
+    # training process and close its server.
+    _on_stop_signals(lambda signum: sys.exit(128 + signum))
     was_serving = repl._server is not None and repl._server.running
     server = repl.serve(port=0)  # a free port, unless a server already runs here
-    recorder = None if record is None else server.record(record)
+    try:
+        recorder = None if record is None else server.record(record)
+    except (ThingError, OSError) as exc:
+        if not was_serving:
+            server.close()
+        print(f"thing: {exc}", file=sys.stderr)
+        return 1
     try:
         say(f"thing demo: training a small {'torch' if use_torch else 'numpy'} model for "
             f"{steps} steps in another process, sending to port {server.port}...")
@@ -336,15 +382,21 @@ def _train_elsewhere(host: str, port: int, steps: int, use_torch: bool, timeout:
     # "-m" puts the working directory first on sys.path: run where this very thing
     # package lives, so a source checkout in the current directory cannot shadow it.
     package_parent = Path(__file__).resolve().parent.parent
-    process = subprocess.Popen(command, env=env, cwd=package_parent)
+    process = None
     try:
+        process = subprocess.Popen(command, env=env, cwd=package_parent)
         status = process.wait(timeout)
     except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
         print(f"thing demo: the training process did not finish within {timeout:.0f} s",
               file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the training process had its own Ctrl+C
+        print("thing demo: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if process is not None and process.poll() is None:  # not left training, no server
+            process.kill()
+            process.wait()
     if status != 0:
         print(f"thing demo: the training process failed (exit status {status})", file=sys.stderr)
     return status

@@ -72,8 +72,7 @@ def server_address() -> tuple[str, int]:
     """Where the default client sends: ``THING_SERVER`` (``host[:port]``), ``THING_PORT``."""
     from .sockets import parse_address
 
-    port = _env_int("THING_PORT", DEFAULT_PORT)
-    return parse_address(os.environ.get("THING_SERVER", "") or "localhost", port)
+    return parse_address(os.environ.get("THING_SERVER", "") or "localhost", _port())
 
 
 def serve_host() -> str:
@@ -83,7 +82,16 @@ def serve_host() -> str:
 
 def serve_port() -> int:
     """Port the default server binds: ``THING_PORT``, else 2875."""
-    return _env_int("THING_PORT", DEFAULT_PORT)
+    return _port()
+
+
+def _port() -> int:
+    port = _env_int("THING_PORT", DEFAULT_PORT)
+    if not 0 <= port <= 65535:  # bind() and connect() would fail with a traceback
+        log.warning("ignoring THING_PORT=%s: not a port (0 to 65535); using %d", port,
+                    DEFAULT_PORT)
+        return DEFAULT_PORT
+    return port
 
 
 # Client side -----------------------------------------------------------------
@@ -237,7 +245,13 @@ def max_connections() -> int:
 
 def store_max_bytes() -> int:
     """Bytes the history store holds before evicting (``THING_STORE_BYTES``, half the RAM)."""
-    return _env_bytes("THING_STORE_BYTES", _physical_memory() // 2)
+    default = _physical_memory() // 2
+    size = _env_bytes("THING_STORE_BYTES", default)
+    if size <= 0:  # a store that refuses every capture
+        log.warning("ignoring THING_STORE_BYTES=%d: not a positive size; using %d", size,
+                    default)
+        return default
+    return size
 
 
 def stats_share() -> float:

@@ -140,12 +140,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="training steps (default %(default)s)")
     parser.add_argument("--numpy", action="store_true", help="use numpy even if torch is installed")
     args = parser.parse_args(argv)
-    # The job's own entry point shows its own progress, as a training script would.
+    # The job's own entry point shows its own progress, as a training script would (and
+    # stops showing it, without a word, when its reader has gone: `thing demo | head`).
+    logging.raiseExceptions = False
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("  [training process] %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    return train(args.steps, use_torch=False if args.numpy else None)
+    try:
+        return train(args.steps, use_torch=False if args.numpy else None)
+    except KeyboardInterrupt:  # Ctrl+C: `thing demo`, its parent, says so
+        return 130
 
 
 if __name__ == "__main__":

@@ -324,18 +324,28 @@ def show(report: Report) -> None:
 
         display(report)
     else:
-        print(report.text(), flush=True)
+        _print(report.text())
 
 
 def say(line: str) -> None:
     """Print a line for the REPL's user now, wrapped to the terminal's width (flushed:
     live views print as things arrive)."""
-    print(_fitted(line, terminal_width()), flush=True)
+    _print(_fitted(line, terminal_width()))
 
 
 def print_drawing(text: str) -> None:
     """Print ``text`` as it was drawn, to its own width and with its colours (a plot)."""
-    print(text, flush=True)
+    _print(text)
+
+
+def _print(text: str) -> None:
+    """Print ``text`` flushed; on an output that cannot encode a character of it (a Latin-1
+    terminal and a table's ─ or a plot's braille), with that character replaced."""
+    try:
+        print(text, flush=True)
+    except UnicodeEncodeError:
+        encoding = getattr(sys.stdout, "encoding", None) or "ascii"
+        print(text.encode(encoding, "replace").decode(encoding), flush=True)
 
 
 _said: set[str] = set()

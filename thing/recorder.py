@@ -300,8 +300,11 @@ class Recorder:
                                   for reason, count in dropped.items()))
         kept = self._enforce_budget()
         if self.on_segment is not None:
-            self.on_segment(SegmentWritten(segment.path, segment.captures, size, len(kept),
-                                           sum(size for _, size in kept)))
+            try:
+                self.on_segment(SegmentWritten(segment.path, segment.captures, size, len(kept),
+                                               sum(size for _, size in kept)))
+            except Exception:  # the caller's (printing to a closed pipe): the segment stands
+                log.exception("recorder: wrote %s; telling on_segment failed", segment.path)
 
     def _failed(self, exc: Exception, path: Path, captures: int, dropped: dict[str, int]) -> None:
         """A segment could not be written or flushed: its captures are dropped, counted."""
