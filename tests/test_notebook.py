@@ -449,6 +449,14 @@ def test_status_returns_at_once_and_its_display_updates_itself(kernel: Kernel) -
     finally:
         client.close()
     assert kernel.execute("server.running").result == "True"
+    # With no client left, nothing arrives: a pause said now shows all the same (the view
+    # waited for a capture to redraw).
+    watching = kernel.execute("thing.status()", timeout=5)
+    display_id = next(o.display_id for o in watching.displays if o.display_id)
+    kernel.execute("thing.pause('loss')", timeout=5)
+    kernel.drain(10, until=lambda o: o.kind == "update_display_data"
+                 and o.display_id == display_id and "paused" in o.text)
+    assert "paused" in kernel.shown(display_id).text
     # With the server closed, status(False) still stops the view (no NotServing).
     kernel.execute("thing.status()\nserver.close()\nthing.status(False)", timeout=5)
     assert kernel.execute(threads).result == "0"

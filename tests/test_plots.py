@@ -23,7 +23,7 @@ import pytest
 import thing
 from thing import live, plot_drawing
 from thing.captures import Sender
-from thing.history_stats import capture_stats
+from thing.history_stats import StatsTable, capture_stats
 from thing.plot_series import chart, histogram
 from thing.store import HistoryStore
 
@@ -221,9 +221,16 @@ def test_mistakes_are_refused_with_what_to_do(history: thing.Server) -> None:
     with pytest.raises(ValueError, match="stat='value' draws single numbers, and w holds "
                                          r"arrays \(float32 \(16, 4\)\); try stat='norm'"):
         history.plot("w", stat="value")
-    with pytest.raises(ValueError, match=r"activations: nothing to plot \(dict of 1 "
-                                         r"holds no numbers\)"):
+    # It holds numbers, in arrays: it said "holds no numbers".
+    with pytest.raises(ValueError, match=r"activations: nothing to plot \(a dict of 1: plot "
+                                         r"draws single arrays and numbers; "
+                                         r"describe\('activations'\) gives"):
         history.plot("activations")
+    # Nor is its shape one of its arrays' (it read (16, 4), or () for two arrays).
+    table = history.stats("activations")
+    shapes = table.to_dict()["shape"] if isinstance(table, StatsTable) else list(
+        table["shape"])
+    assert all(shape is None or shape != shape for shape in shapes)  # None, or pandas' NaN
     with pytest.raises(ValueError, match="bins is a whole number from 1, not 0"):
         history.hist("w", bins=0)
     with pytest.raises(ValueError, match="rank must be a rank number, None or 'all'"):

@@ -367,7 +367,9 @@ def stats_table(store: HistoryStore, name: str, rank: Optional[int] = None,
     rows = []
     for capture in captures:
         values = capture_stats(capture).values
-        shape = capture.leaves[0].shape if len(capture.leaves) == 1 else ()
+        # A container's shape is none of its arrays': shown as None, as its statistics are.
+        shape = (capture.leaves[0].shape if len(capture.leaves) == 1
+                 and capture.parts().tree == SINGLE_LEAF else None)
         row: list[Any] = [capture.step, capture.rank, capture.received_at, shape]
         if run == ALL_RUNS:
             row.insert(2, capture.sender.run)

@@ -63,7 +63,8 @@ def watch(store: HistoryStore, info: Callable[[], ServerInfo], on: bool = True,
             if _notebook_watcher is not None:
                 _notebook_watcher.stop()
             _notebook_watcher = NotebookView(store, view(store, info(), rows),
-                                             lambda: view(store, info(), rows), "thing-status")
+                                             lambda: view(store, info(), rows), "thing-status",
+                                             also=lambda: _what_is_said_of(info()))
         return
     where = info()
     try:
@@ -148,17 +149,21 @@ class NotebookView:
     """A notebook display that a background thread redraws as captures arrive, until stopped.
 
     ``redraw()`` returns what to display now, or None when nothing it shows
-    changed. Between redraws the thread waits for an arrival, at least
-    ``min_interval`` s and at least three times as long as the last redraw
-    took, so an expensive one (a plot's PNG) takes at most a quarter of a core.
+    changed. Between redraws the thread waits for an arrival (or, every
+    REFRESH s, a change in what ``also()`` returns: the clients and the
+    steering a status view shows), at least ``min_interval`` s and at least
+    three times as long as the last redraw took, so an expensive one (a plot's
+    PNG) takes at most a quarter of a core.
     """
 
     def __init__(self, store: HistoryStore, first: Any, redraw: Callable[[], Any],
-                 thread_name: str, min_interval: float = MIN_INTERVAL):
+                 thread_name: str, min_interval: float = MIN_INTERVAL,
+                 also: Callable[[], object] = lambda: None):
         from IPython.display import display
 
         self.store = store
         self._redraw = redraw
+        self._also = also
         self._min_interval = min_interval
         self._stop = threading.Event()
         self._handle = display(first, display_id=True)
@@ -180,13 +185,18 @@ class NotebookView:
         return f"<live view {self._thread.name}: {state}>"
 
     def _run(self) -> None:
-        seen = self.store.received
+        seen = (self.store.received, self._also())
         rest = self._min_interval
         while not self._stop.is_set():
-            _next_frame(self.store, seen, rest, self._stop)
-            if self.store.received == seen:
+            _next_frame(self.store, seen[0], rest, self._stop)
+            try:
+                now = (self.store.received, self._also())
+            except Exception:  # the server closed
+                log.debug("%s stopped updating", self._thread.name, exc_info=True)
+                return
+            if now == seen:
                 continue
-            seen = self.store.received
+            seen = now
             started = time.perf_counter()
             try:
                 shown = self._redraw()
@@ -196,6 +206,12 @@ class NotebookView:
                 log.debug("%s stopped updating", self._thread.name, exc_info=True)
                 return
             rest = max(self._min_interval, 3 * (time.perf_counter() - started))
+
+
+def _what_is_said_of(info: ServerInfo) -> object:
+    """What a status view shows besides the arrivals: it is redrawn when this changes (a
+    pause said with nothing arriving, a job that connects and sends nothing)."""
+    return info.clients, tuple(map(str, info.steering)), info.running
 
 
 def redraw_until_interrupted(store: HistoryStore, draw: Callable[[], str],

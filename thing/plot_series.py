@@ -122,7 +122,12 @@ def chart(store: HistoryStore, names: Names, stat: Union[str, list[str]] = AUTO,
             crowds.setdefault(crowd, []).append(label)
         numbers = [capture_stats(capture).values for capture in captures]
         if all(values is None or values.count == 0 for values in numbers):
-            notes.append(f"{label}: nothing to plot ({_what(captures[-1])} holds no numbers)")
+            newest = captures[-1]
+            why = (f"a {_what(newest)}: plot draws single arrays and numbers; "
+                   f"describe({newest.name!r}) gives each of its arrays' statistics"
+                   if newest.leaves and is_container(newest.value)
+                   else f"{_what(newest)} holds no numbers")
+            notes.append(f"{label}: nothing to plot ({why})")
             continue
         single = all(values is None or values.count == 1 for values in numbers)
         wanted = (["value"] if single else ["norm", "spread"]) if stats == [AUTO] else stats
