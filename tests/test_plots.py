@@ -157,6 +157,9 @@ def test_chosen_statistics_each_get_a_panel(history: thing.Server, tmp_path: Pat
     assert_picture((tmp_path / "w.png").read_bytes())
     history.plot(["loss", "w"], file=tmp_path / "w.svg")  # the format from the suffix
     assert (tmp_path / "w.svg").read_text().lstrip().startswith("<?xml")
+    # A path that cannot be written: one line saying so, not matplotlib's and PIL's frames.
+    with pytest.raises(thing.ThingError, match=r"^could not write .*nowhere/w.png: No such file"):
+        history.plot("w", file=tmp_path / "nowhere" / "w.png")
 
 
 def test_a_histogram_counts_every_finite_value(history: thing.Server, tmp_path: Path) -> None:

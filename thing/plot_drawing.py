@@ -204,7 +204,10 @@ def _label(fig: Any, axes: Any, x: str, drawing: Drawing) -> None:
 
 
 def _save(drawing: Drawing, file: Union[str, os.PathLike[str]]) -> None:
-    _render(drawing, os.fspath(file))
+    try:
+        _render(drawing, os.fspath(file))
+    except OSError as exc:  # not a page of matplotlib's and PIL's frames for a bad path
+        raise ThingError(f"could not write {os.fspath(file)}: {exc.strerror or exc}") from None
     say(f"Saved {drawing.title} to {os.fspath(file)}.")
 
 
