@@ -71,8 +71,11 @@ def test_get_all_is_oldest_to_newest_and_filters_by_rank() -> None:
     assert [c.id for c in store.get_all("x")] == ids
     assert [c.value for c in store.get_all("x", rank=1)] == [1.0, 3.0]
     assert store.get("x", rank=0).value == 2.0
-    with pytest.raises(KeyError, match="rank"):
+    with pytest.raises(KeyError, match="it came from ranks 0, 1"):
         store.get_all("x", rank=5)
+    put(store, "unranked")  # it said "it came from rank(s) None"
+    with pytest.raises(KeyError, match="it came from no rank: it was caught outside"):
+        store.get("unranked", rank=3)
 
 
 def test_unknown_name_lists_the_closest_names() -> None:

@@ -347,7 +347,7 @@ def run_demo(steps: int = 100, use_torch: bool | None = None, timeout: float = 1
         return 1
     try:
         say(f"thing demo: training a small {'torch' if use_torch else 'numpy'} model for "
-            f"{steps} steps in another process, sending to port {server.port}...")
+            f"{counted(steps, 'step')} in another process, sending to port {server.port}...")
         host = "127.0.0.1" if server.host in ("", "0.0.0.0", "::") else server.host
         status = _train_elsewhere(host, server.port, steps, use_torch, timeout)
         if status != 0:

@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from .captures import Capture
+from .display import counted
 from .errors import ArgumentError, whole_number
 from .history_stats import (
     capture_histogram,
@@ -167,13 +168,13 @@ def histogram(store: HistoryStore, name_or_id: Union[str, int], index: int = 0,
     ``thing.hist``)."""
     bins = whole_number(bins, "bins", least=1)
     capture = store.get(name_or_id, index, rank, step, run)
-    counted = capture_histogram(capture, bins)
+    binned = capture_histogram(capture, bins)
     label = capture.name if capture.name is not None else f"capture {capture.id}"
-    if counted is None:
+    if binned is None:
         raise ArgumentError(f"{label} has no finite numbers to count ({_what(capture)})")
-    counts, edges = counted
+    counts, edges = binned
     values = capture_stats(capture).values
-    assert values is not None  # counted: it has numbers
+    assert values is not None  # binned: it has numbers
     where = f" at step {capture.step}" if capture.step is not None else ""
     if capture.rank is not None:
         where += f" of rank {capture.rank}"
@@ -182,7 +183,7 @@ def histogram(store: HistoryStore, name_or_id: Union[str, int], index: int = 0,
         notes.append(f"{values.count - values.finite} NaN or Inf values left out")
     if values.magnitude:
         notes.append("complex values: their magnitudes |x|")
-    return Histogram(f"{label}{where}: {values.finite} values", counts, edges, notes)
+    return Histogram(f"{label}{where}: {counted(values.finite, 'value')}", counts, edges, notes)
 
 
 def recent_values(store: HistoryStore, name: str, count: int

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Union
 
 from .captures import Capture, Sender
+from .display import counted
 from .errors import BadRecording, ThingError
 from .log import log
 from .segments import (
@@ -84,8 +85,9 @@ def recover_staged(directory: Path) -> None:
         captures += held
     if moved:
         flush_names(directory)
-        log.warning("%s: %d whole segments (%d captures) that a stopped writer left in %s "
-                    "are in the recording now", directory, moved, captures, STAGING)
+        log.warning("%s: %s (%s) that a stopped writer left in %s are in the recording now",
+                    directory, counted(moved, "whole segment"), counted(captures, "capture"),
+                    STAGING)
     removed = clear_staging(directory)
     if removed:
         log.warning("%s: deleted %d files that a stopped writer left half written in %s",
@@ -241,7 +243,7 @@ def load(path: PathLike, store: HistoryStore, skip_damaged: bool = False) -> int
         except BadRecording as exc:
             if not skip_damaged:
                 others = (f"; load(..., skip_damaged=True) (thing open --skip-damaged) loads "
-                          f"the other {len(segments) - 1} segments without it"
+                          f"the other {counted(len(segments) - 1, 'segment')} without it"
                           if len(segments) > 1 else "")
                 raise BadRecording(f"{exc} (nothing was loaded{others})") from None
             damaged.append(str(exc))

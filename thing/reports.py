@@ -197,7 +197,7 @@ def capture_report(capture: Capture, store: HistoryStore | None = None,
     if not is_container(value):
         pairs += [("shape", shape), ("dtype", dtype), ("framework", framework)]
     else:
-        pairs += [("contents", f"{shape} items, {len(capture.leaves)} arrays"),
+        pairs += [("contents", f"{shape} items, {counted(len(capture.leaves), 'array')}"),
                   ("dtypes", dtype), ("frameworks", framework)]
     pairs.append(("bytes", f"{bytes_text(capture.nbytes)} ({capture.nbytes} bytes of array data)"))
     arrived = f"{clock(capture.received_at)} ({ago(capture.received_at)})"

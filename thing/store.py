@@ -665,8 +665,10 @@ class HistoryStore:
         ranked = [key for key in sources if rank is None or key[1] == rank]
         if not ranked:
             ranks = sorted({key[1] for key in sources}, key=lambda r: (r is None, r))
+            came = ("no rank: it was caught outside a distributed job" if ranks == [None] else
+                    f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}")
             raise UnknownName(f"no capture named {name!r} from rank {rank}; it came from "
-                              f"rank(s) {', '.join(map(str, ranks))}")
+                              + came)
         if run is None:  # a restarted job is a new history
             run = (history[-1] if rank is None
                    else max((sources[key][-1] for key in ranked), key=_order)).sender.run
