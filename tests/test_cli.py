@@ -284,3 +284,16 @@ def test_recording_options_without_a_recording_are_refused() -> None:
                             env=script_env(), capture_output=True, text=True, timeout=60,
                             stdin=subprocess.DEVNULL)
     assert result.returncode == 2 and "need --record DIR" in result.stderr.splitlines()[-1]
+
+
+def test_open_of_what_is_no_recording_says_so(tmp_path: Path) -> None:
+    """`thing open` of an empty or unrelated directory opened a session on "0 captures"; of
+    a path that does not exist it said "is not a directory"."""
+    (tmp_path / "empty").mkdir()
+    for directory, said in ((tmp_path / "empty", "holds no segments"),
+                            (tmp_path / "nosuch", "does not exist")):
+        result = subprocess.run([sys.executable, "-m", "thing", "open", "--plain",
+                                 str(directory)], env=script_env(), capture_output=True,
+                                text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert result.returncode == 1 and said in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr

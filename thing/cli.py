@@ -152,9 +152,14 @@ def open_interactively(directory: str, *, plain: bool = False, skip_damaged: boo
     import thing
 
     from .errors import ThingError
+    from .recording import segments_of
 
     try:
         count = thing.load(directory, skip_damaged=skip_damaged)
+        if not count and not segments_of(Path(directory)):  # a recorder's has its files
+            raise ThingError(f"{directory or '(an empty path)'} holds no segments "
+                             "(segment-NNNNNN.safetensors): nothing was recorded in it yet, "
+                             "or it is not a recording")
     except (ThingError, OSError) as exc:
         print(f"thing: {exc}", file=sys.stderr)
         return 1

@@ -222,6 +222,8 @@ def load(path: PathLike, store: HistoryStore, skip_damaged: bool = False) -> int
     as it was written, with a warning.
     """
     directory = Path(path)
+    if not os.path.lexists(directory):
+        raise BadRecording(f"no recording at {directory}: it does not exist")
     if not directory.is_dir():
         raise BadRecording(f"{directory} is not a directory (a recording is one)")
     if os.path.lexists(directory / SAVING):
