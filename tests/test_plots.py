@@ -515,3 +515,17 @@ def test_many_ranks_are_drawn_as_their_median_and_range() -> None:
     assert all(f"rank {rank}" in every_rank for rank in range(12))
     assert [s.label for s in chart(store, "loss", rank=3).panels[0].series] == ["loss"]
     assert "loss ranks (median)" in plot_drawing.text(drawn, 80)
+
+
+def test_colours_only_on_a_terminal_that_shows_them(monkeypatch) -> None:
+    """TERM=dumb (an editor's shell, a CI log) still got colour codes; NO_COLOR did not."""
+    terminal = type("Terminal", (io.StringIO,), {"isatty": lambda _: True})
+    monkeypatch.setattr(sys, "stdout", terminal())
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    assert plot_drawing._colour_terminal()
+    monkeypatch.setenv("TERM", "dumb")
+    assert not plot_drawing._colour_terminal()
+    monkeypatch.setenv("TERM", "xterm-256color")
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not plot_drawing._colour_terminal()

@@ -401,7 +401,8 @@ def _terminal_size() -> tuple[int, int]:
 
 
 def _colour_terminal() -> bool:
-    return sys.stdout.isatty() and os.environ.get("NO_COLOR") is None
+    return (sys.stdout.isatty() and os.environ.get("NO_COLOR") is None
+            and os.environ.get("TERM") != "dumb")
 
 
 def _has(module: str) -> bool:
