@@ -166,7 +166,7 @@ def test_whole_segments_a_killed_writer_left_staged_join_the_recording(tmp_path:
         assert not list((directory / ".thing-staging").iterdir())
         store.add("x", np.full(4, 9), (), 32, Sender("a:1"), call=4)
     messages = [record.getMessage() for record in caplog.records]
-    assert any("1 whole segments (1 captures)" in message for message in messages)
+    assert any("1 whole segment (1 capture)" in message for message in messages)
     assert any("deleted 2 files" in message for message in messages)
     assert [number for number, _ in segments_of(directory)] == [1, 2, 3]
     loaded = HistoryStore()
@@ -182,7 +182,7 @@ def test_whole_segments_a_killed_writer_left_staged_join_the_recording(tmp_path:
     with caplog.at_level("WARNING", logger="thing"), Recorder(store, directory):
         pass
     assert [number for number, _ in segments_of(directory)] == [1, 2, 3, 7]
-    assert any("1 whole segments (1 captures)" in r.getMessage() for r in caplog.records)
+    assert any("1 whole segment (1 capture)" in r.getMessage() for r in caplog.records)
     assert not list(staging.iterdir())
 
 
@@ -410,7 +410,7 @@ def test_serve_with_record_then_open_it(tmp_path: Path) -> None:
     refused = subprocess.run([sys.executable, "-m", "thing", "open", str(tmp_path / "none")],
                              env=script_env(), cwd=ROOT, capture_output=True, text=True,
                              timeout=60)
-    assert refused.returncode == 1 and "not a directory" in refused.stderr
+    assert refused.returncode == 1 and "does not exist" in refused.stderr
 
 
 def _listening(port: int) -> bool:
