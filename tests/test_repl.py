@@ -852,14 +852,20 @@ def test_numbers_shortened_to_fit_keep_their_exponent_and_digits_that_tell_them_
     assert row.split()[3:6] == ["0.99995", "1", "0.99998"]
 
 
-def test_a_complex_number_s_sparkline_says_it_shows_magnitudes(default: thing.Server) -> None:
-    """status() drew |z| for a complex loss, and showed 5 for -3-4j, without saying so."""
+def test_a_sparkline_s_value_is_the_value_caught(default: thing.Server) -> None:
+    """status() drew |z| for a complex loss, and showed 5 for -3-4j, without saying so; an
+    array of one number shows that number."""
     send(default.port, """
         for z in (-3 - 4j, 1 + 1j):
             assert thing.catch(z, name="z").wait(10)
+        for x in (0.5, 0.25):
+            assert thing.catch(np.array([x]), name="one").wait(10)
     """)
-    text = thing.live.view(default.store, default.info(), 10, width=80).text(80)
-    assert any(line.startswith("z |x|") for line in text.splitlines()), text
+    lines = thing.live.view(default.store, default.info(), 10, width=80).text(80).splitlines()
+    z = next(line for line in lines if line.startswith("z "))
+    one = next(line for line in lines if line.startswith("one "))
+    assert z.startswith("z |x|") and z.split()[-1] == "1+1j", z
+    assert one.split()[-1] == "0.25", one
 
 
 # -- help ---------------------------------------------------------------------------------

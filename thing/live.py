@@ -36,7 +36,7 @@ from .display import (
     terminal_width,
 )
 from .log import log
-from .reports import bytes_text, clock, flag, rank_text, row_kind, sender_text
+from .reports import bytes_text, clock, flag, number, rank_text, row_kind, sender_text
 from .store import HistoryStore
 
 if TYPE_CHECKING:
@@ -126,8 +126,9 @@ def _sparkline_table(store: HistoryStore, width: int, names: int = 5) -> Table |
             continue
         label, values, newest = recent
         # The value as caught (10**400, which the sparkline's floats make inf; a complex
-        # drawn as |z|), as the arrivals below show it.
-        rows.append([label, sparkline(values, columns), row_kind(newest)[3]])
+        # drawn as |z|), as the arrivals below show it; an array of one number, as drawn.
+        shown = row_kind(newest)[3] or number(float(values[-1]))
+        rows.append([label, sparkline(values, columns), shown])
         if len(rows) == names:
             break
     if not rows:
@@ -184,15 +185,21 @@ class NotebookView:
         state = "updating as captures arrive; .stop() stops it" if self.running else "stopped"
         return f"<live view {self._thread.name}: {state}>"
 
+    def _state(self) -> tuple[int, object] | None:
+        """What the display shows depends on; None once the server is gone."""
+        try:
+            return self.store.received, self._also()
+        except Exception:  # the server closed
+            log.debug("%s stopped updating", self._thread.name, exc_info=True)
+            return None
+
     def _run(self) -> None:
-        seen = (self.store.received, self._also())
+        seen = self._state()
         rest = self._min_interval
-        while not self._stop.is_set():
+        while seen is not None and not self._stop.is_set():
             _next_frame(self.store, seen[0], rest, self._stop)
-            try:
-                now = (self.store.received, self._also())
-            except Exception:  # the server closed
-                log.debug("%s stopped updating", self._thread.name, exc_info=True)
+            now = self._state()
+            if now is None:
                 return
             if now == seen:
                 continue
