@@ -217,14 +217,14 @@ def record_headless(directory: str, port: int | None = None, host: str | None = 
         print(f"thing: {_bind_failure(exc, server.host, server.port)}", file=sys.stderr)
         return 1
     stop = threading.Event()
-    _on_stop_signals(lambda _: stop.set())
+    # Ctrl+C too sets the event rather than raising KeyboardInterrupt: one that came again
+    # as the first was handled aborted the close that writes the open segment.
+    _on_stop_signals(lambda _: stop.set(), ctrl_c=True)
     say(f"thing is recording what arrives at {server.host}:{server.port} into {directory}; "
         "Ctrl+C stops.")
     try:
         while not stop.wait(1.0):
             pass
-    except KeyboardInterrupt:
-        pass
     finally:
         _close_undisturbed(server)  # writes the open segment
     dropped = ", ".join(f"{count} {reason}" for reason, count in recorder.dropped.items())
@@ -234,27 +234,24 @@ def record_headless(directory: str, port: int | None = None, host: str | None = 
     return 0
 
 
-def _on_stop_signals(stop: Callable[[int], object]) -> None:
-    """Call ``stop(signum)`` on SIGTERM, and on SIGHUP (the ssh session it ran in closed)."""
+def _on_stop_signals(stop: Callable[[int], object], ctrl_c: bool = False) -> None:
+    """Call ``stop(signum)`` on SIGTERM, on SIGHUP (the ssh session it ran in closed), and
+    with ``ctrl_c`` on SIGINT."""
     import signal
 
-    for signum in (signal.SIGTERM, signal.SIGHUP):
+    for signum in (signal.SIGTERM, signal.SIGHUP, *([signal.SIGINT] if ctrl_c else [])):
         signal.signal(signum, lambda number, _: stop(number))
 
 
 def _close_undisturbed(server: Any) -> None:
     """Close ``server``, writing its recording's open segment, with Ctrl+C and the stop
-    signals held off: a second Ctrl+C in the middle of it aborted the process ("FATAL:
-    exception not rethrown") and left the last segment unwritten."""
+    signals ignored from here on (the process ends after it): a second Ctrl+C in the middle
+    of it aborted the process ("FATAL: exception not rethrown"), the segment unwritten."""
     import signal
 
-    held = {signum: signal.signal(signum, signal.SIG_IGN)
-            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        server.close()
-    finally:
-        for signum, handler in held.items():
-            signal.signal(signum, handler)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    server.close()
 
 
 def _print_segment(written: SegmentWritten) -> None:
