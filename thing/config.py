@@ -21,7 +21,11 @@ _MAX_INT = 1 << 62
 
 
 def _env_int(name: str, default: int) -> int:
-    return int(max(min(_env_float(name, default), _MAX_INT), -_MAX_INT))
+    return _bounded(_env_float(name, default))
+
+
+def _bounded(number: float) -> int:
+    return int(max(min(number, _MAX_INT), -_MAX_INT))
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -34,7 +38,7 @@ def _env_bytes(name: str, default: int) -> int:
         log.warning("ignoring %s=%r: not a size (try 4G, 512M or 4096); using %s", name, raw,
                     default)
         return default
-    return max(min(size, _MAX_INT), -_MAX_INT)
+    return _bounded(size)
 
 
 # A number as float() reads it (a sign, 1_000, 4e9), then a unit: K, KB, KiB, ... T.

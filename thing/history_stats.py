@@ -175,7 +175,7 @@ def _large_singular_value(matrix: np.ndarray, steps: int = 64) -> float:
     half = scale // 2  # in two steps: 2**1074 (a subnormal's scale) is no float64
     matrix = matrix * math.ldexp(1.0, -half) * math.ldexp(1.0, half - scale)
     if matrix.shape[0] > matrix.shape[1]:
-        matrix = matrix.T  # the same values; the vectors kept below are then the shorter
+        matrix = matrix.T  # the same values, with its shorter side as its rows
     if matrix.shape[0] <= steps:  # a few rows: their Gram matrix, no larger, says exactly
         gram = matrix @ matrix.conj().T
         top = math.sqrt(max(float(np.linalg.eigvalsh(gram)[-1]), 0.0))
