@@ -242,6 +242,34 @@ def test_serve_recording_stopped_by_a_signal_writes_what_was_waiting(tmp_path: P
     assert thing.HistoryStore().load(tmp_path / "rec") == 30
 
 
+def test_serve_recording_stopped_by_a_signal_during_a_close_typed_at_it(tmp_path: Path
+                                                                          ) -> None:
+    """SIGTERM while the session's own `close()` wrote the recording: the signal's handler
+    closed the server in the middle of that close, waiting for good for the lock it held
+    (the stop signals ignored from then on)."""
+    port = _free_port()
+    serving = subprocess.Popen(
+        [sys.executable, "-m", "thing", "serve", "--plain", "--port", str(port), "--record",
+         str(tmp_path / "rec")], env=script_env(), stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert serving.stdin is not None and serving.stdout is not None
+    assert serving.stderr is not None
+    assert "Server started" in serving.stderr.readline()
+    _send(port, 40, 1 << 20)  # 160 MiB for the close to write
+    serving.stdin.write('server = thing.serve(); print("closing", flush=True); '
+                        'server.close()\n')
+    serving.stdin.flush()
+    while "closing" not in serving.stdout.readline():
+        pass
+    serving.send_signal(signal.SIGTERM)
+    try:
+        serving.communicate(timeout=60)
+    finally:
+        serving.kill()
+    assert serving.returncode == 128 + signal.SIGTERM
+    assert thing.HistoryStore().load(tmp_path / "rec") == 40
+
+
 def test_demo_ended_by_a_signal_ends_its_training_process() -> None:
     """SIGTERM left the demo's training process training, with no server; Ctrl+C printed
     two tracebacks."""

@@ -14,6 +14,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -137,12 +138,16 @@ def serve_interactively(port: int | None = None, host: str | None = None, *,
     where = f"thing is receiving at {server.host}:{server.port}"
     if record is not None:
         where += f", recording into {record[0]}"
-        _on_stop_signals(lambda signum: (_close_undisturbed(server), os._exit(128 + signum)))
+        _on_stop_signals(lambda signum: stopping.append(_close_elsewhere_and_exit(server,
+                                                                                   signum)))
+    stopping: list[threading.Thread] = []
     try:
         _interact(f"{where}; `thing` is imported. Try:", plain)
         return 0
     finally:
         server.close()
+        for thread in stopping:  # a stop signal's: it ends the process, with the signal's code
+            thread.join()
 
 
 def open_interactively(directory: str, *, plain: bool = False, skip_damaged: bool = False
@@ -190,7 +195,6 @@ def record_headless(directory: str, port: int | None = None, host: str | None = 
     """``thing record DIR``: receive and record until Ctrl+C or SIGTERM, then write what
     is waiting and stop."""
     import shutil
-    import threading
 
     from .errors import ThingError
     from .repl import _bind_failure, _show_log_lines
@@ -247,11 +251,36 @@ def _close_undisturbed(server: Any) -> None:
     """Close ``server``, writing its recording's open segment, with Ctrl+C and the stop
     signals ignored from here on (the process ends after it): a second Ctrl+C in the middle
     of it aborted the process ("FATAL: exception not rethrown"), the segment unwritten."""
+    _ignore_stop_signals()
+    server.close()
+
+
+def _close_elsewhere_and_exit(server: Any, signum: int) -> threading.Thread:
+    """From a stop signal's handler in an interactive session: close ``server`` (writing
+    its recording's open segment) on a thread of its own, then end the process.
+
+    Not in the handler itself: it interrupts the session's own code wherever it is, and
+    that may be inside the server (a ``close()`` the user typed holds the lock a close
+    takes: the handler waited for it for good, the stop signals ignored) or its store.
+    """
+    _ignore_stop_signals()
+
+    def close_and_exit() -> None:
+        try:
+            server.close()
+        finally:
+            os._exit(128 + signum)
+
+    thread = threading.Thread(target=close_and_exit, name="thing-stop", daemon=True)
+    thread.start()
+    return thread
+
+
+def _ignore_stop_signals() -> None:
     import signal
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
-    server.close()
 
 
 def _print_segment(written: SegmentWritten) -> None:
