@@ -39,8 +39,10 @@ import thing
 from thing import shm, wire
 from thing._core import _transport, fallback
 from thing.buffers import ReceiveBuffers
+from thing.deadlines import Deadlines
 from thing.errors import ProtocolError
-from thing.receiver import Connection, Deadlines, HeaderBudget, ReceiveCounts, ReceiveSettings
+from thing.frame_charges import HeaderBudget
+from thing.receiver import Connection, ReceiveCounts, ReceiveSettings
 from thing.store import HistoryStore
 
 from .conftest import open_fds, poll

@@ -48,9 +48,11 @@ from thing import auth, dial, recording, reports, shm, value_trees, wire
 from thing.answers import Answers
 from thing.arrays import LeafSpec
 from thing.buffers import ReceiveBuffers
+from thing.deadlines import Deadlines
 from thing.errors import BadRecording, ProtocolError
+from thing.frame_charges import HeaderBudget
 from thing.overrides import Overrides
-from thing.receiver import Deadlines, HeaderBudget, ReceiveCounts, ReceiveSettings
+from thing.receiver import ReceiveCounts, ReceiveSettings
 from thing.segments import records_checksum
 from thing.server import ServerInfo
 from thing.store import HistoryStore

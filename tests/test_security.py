@@ -542,7 +542,7 @@ def test_stalled_peers_are_dropped_while_another_client_streams() -> None:
 def test_the_deadline_watcher_sleeps_while_no_deadline_runs() -> None:
     """Frames stored on the fast path set no deadline: the watcher waits for one to start
     (it had woken every second, as every idle connection had), and closing ends its wait."""
-    from thing.receiver import Deadlines
+    from thing.deadlines import Deadlines
 
     deadlines, closing = Deadlines(), threading.Event()
     returned = threading.Event()

@@ -18,7 +18,6 @@ first: a client is never told that a capture the server kept was lost.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import select
 import socket
@@ -32,15 +31,18 @@ import numpy as np
 
 from . import auth, shm, wire
 from ._core import send_buffers
-from .arrays import CARRIER_DTYPES, LeafSpec
+from .arrays import LeafSpec
 from .buffers import ReceiveBuffers
 from .captures import Capture, Sender
+from .deadlines import Deadlines, ReadDeadline
 from .errors import HandshakeError, InvalidValue, LimitExceeded, ProtocolError
+from .frame_charges import FrameCharge, HeaderBudget
+from .known_headers import KnownHeader, announcement_of, int_in, notice_of, str_or
 from .run_names import MAX_RUN_NAME
 from .sockets import set_timeouts
-from .store import Announcement, HistoryStore, UnsentNotice
+from .store import HistoryStore, UnsentNotice
 from .stream import StreamReader
-from .value_trees import ReceivedValue, caught_type, check_received, holds_sparse, is_int
+from .value_trees import ReceivedValue, caught_type, check_received
 
 # Acknowledgements sent in one write at most; a client waits for no more than this many.
 ACK_BATCH = 64
@@ -55,57 +57,6 @@ HEADER_CHUNK = 64 << 10
 # this long at most; the cache holds parsed-cost bytes of the server's header budget.
 HEADER_CACHE_BYTES = 256 << 10
 CACHED_HEADER_MAX = 2048
-
-
-class Deadlines:
-    """When each connection's handshake or current frame must be complete.
-
-    ``SO_RCVTIMEO`` alone restarts on every byte, so a peer trickling one byte
-    at a time would never time out; a watcher thread shuts the reading side of
-    late sockets (:meth:`expired`), which wakes their reader while leaving the
-    writing side open for the acknowledgements still owed.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._due: dict[socket.socket, float] = {}
-        # Set while deadlines may be running: the watcher sleeps on it when none is, so
-        # a server whose frames all take the fast path (which sets none) is never woken.
-        self._armed = threading.Event()
-
-    def start(self, sock: socket.socket, seconds: float) -> None:
-        with self._lock:
-            self._due[sock] = time.monotonic() + seconds
-        if not self._armed.is_set():
-            self._armed.set()
-
-    def stop(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._due.pop(sock, None)
-
-    def wait_until_armed(self, closing: threading.Event) -> None:
-        """Return once a deadline runs (at once if one does) or ``closing`` is set (and
-        :meth:`wake` called after it)."""
-        with self._lock:
-            if self._due or closing.is_set():
-                return
-            self._armed.clear()
-        self._armed.wait()
-
-    def wake(self) -> None:
-        """End a :meth:`wait_until_armed`, under the lock: one that looked at ``closing``
-        before it was set has cleared the event by now, not after this."""
-        with self._lock:
-            self._armed.set()
-
-    def expired(self) -> list[socket.socket]:
-        """Forget and return the sockets whose deadline has passed."""
-        now = time.monotonic()
-        with self._lock:
-            late = [sock for sock, due in self._due.items() if now > due]
-            for sock in late:
-                del self._due[sock]
-        return late
 
 
 @dataclass
@@ -167,7 +118,7 @@ class Connection:
         self._poller.register(sock, select.POLLIN)
         self._writable = select.poll()
         self._writable.register(sock, select.POLLOUT)
-        self._deadline = _ReadDeadline(settings.deadlines, sock, settings.idle_timeout)
+        self._deadline = ReadDeadline(settings.deadlines, sock, settings.idle_timeout)
         self._frame_started = 0.0  # when the frame being read began: its pieces' deadlines
         self._stream = StreamReader(sock, before_wait=self._deadline.start)
         self._headers: dict[bytes, KnownHeader] = {}  # raw header -> what it tells
@@ -214,8 +165,8 @@ class Connection:
         self.sender = Sender(
             address=self.address,
             hostname=wire.printable(str(info.get("hostname", "?"))[:255]),
-            pid=_int_in(info.get("pid"), range(1 << 31)) or 0,
-            run=_str_or(info.get("run"), MAX_RUN_NAME),
+            pid=int_in(info.get("pid"), range(1 << 31)) or 0,
+            run=str_or(info.get("run"), MAX_RUN_NAME),
         )
         return self.sender
 
@@ -425,7 +376,7 @@ class Connection:
             # Its header is read all the same (it is within bounds), so that the REPL lists
             # the capture refused by its name, not as an unnamed one.
             too_large = exc
-        with _Charge(settings.store, settings.header_budget) as charge:
+        with FrameCharge(settings.store, settings.header_budget) as charge:
             try:
                 raw_header = self._recv_header(header_len, charge, signature)
             except LimitExceeded as exc:  # the header budget: read past
@@ -460,7 +411,7 @@ class Connection:
         settings.counts.add(received=1)
         return wire.encode_ack(seq, capture.id)
 
-    def _validate_header(self, raw: bytes, payload_len: int, charge: _Charge,
+    def _validate_header(self, raw: bytes, payload_len: int, charge: FrameCharge,
                          refused: bool = False) -> KnownHeader:
         """Parse and check a header not seen before; keep it if it is short and there is room.
 
@@ -502,7 +453,7 @@ class Connection:
         self.settings.header_budget.give_back(cost)
 
     def _receive_payload(self, prefix: wire.FramePrefix, known: KnownHeader,
-                         fds: list[int], signature: Any, charge: _Charge) -> Capture | None:
+                         fds: list[int], signature: Any, charge: FrameCharge) -> Capture | None:
         """Receive a frame's arrays and trailer, charging the store as the bytes arrive.
 
         Returns the stored capture, or None for a notice of a capture the sender
@@ -551,10 +502,10 @@ class Connection:
         if known.undelivered:
             settings.store.note_undelivered(known.sender, known.undelivered)
         if known.notice == "unsent":
-            settings.store.note_unsent(_notice_of(header, known.sender))
+            settings.store.note_unsent(notice_of(header, known.sender))
             return None
         if known.notice == "on_demand":
-            settings.store.note_available(_announcement_of(header, known.sender))
+            settings.store.note_available(announcement_of(header, known.sender))
             return None
         capture = settings.store.add(
             known.name,
@@ -684,7 +635,7 @@ class Connection:
 
     # -- reading -------------------------------------------------------------------
 
-    def _recv_header(self, size: int, charge: _Charge, signature: Any) -> bytes:
+    def _recv_header(self, size: int, charge: FrameCharge, signature: Any) -> bytes:
         """A header of ``size`` bytes, read as they arrive and fed to ``signature``: a claim
         allocates nothing, and a long one takes the header budget as its bytes come (a peer
         trickling one holds what it sent, not what it claimed). LimitExceeded once the
@@ -733,146 +684,6 @@ class Connection:
                            + frame_bytes / settings.min_rate)
 
 
-@dataclass(frozen=True)
-class KnownHeader:
-    """What a validated header tells its connection, worked out once for all its frames."""
-
-    header: wire.FrameHeader
-    name: str | None  # printable
-    sender: Sender  # the connection's, with the rank the header gives
-    undelivered: dict[str, int]
-    call_site: str | None
-    # A notice, not a capture: "unsent" (a capture that could not be sent) or "on_demand"
-    # (a name sent only when the REPL asks); None for a capture.
-    notice: str | None
-    requested: bool  # sent because the REPL asked (thing.request)
-    record_bytes: int  # what the store charges for a capture of it, beyond its arrays
-    sparse: bool  # whether its received arrays need checking (check_received)
-    # Per array: its carrier dtype, element count and shape, to build it from bytes.
-    layout: tuple[tuple[np.dtype, int, tuple[int, ...]], ...]
-
-    @classmethod
-    def of(cls, header: wire.FrameHeader, connection: Sender) -> KnownHeader:
-        meta = header.meta
-        name = None if header.name is None else wire.printable(header.name)
-        call_site = _str_or(meta.get("site"))
-        layout = tuple((CARRIER_DTYPES[spec.dtype], math.prod(spec.shape), spec.shape)
-                       for spec in header.leaves)
-        notice = next((kind for kind in ("unsent", "on_demand") if kind in meta), None)
-        return cls(header, name, _sender_of(meta, connection), _undelivered_of(meta), call_site,
-                   notice, meta.get("requested") is True, HistoryStore.record_bytes(
-                       name, ReceivedValue(header.tree, header.leaves, []), call_site),
-                   holds_sparse(header.tree), layout)
-
-
-class _ReadDeadline:
-    """The deadline of what one connection is reading, started only when a read must wait
-    (a frame already in the read-ahead buffer costs the shared :class:`Deadlines` nothing)."""
-
-    def __init__(self, deadlines: Deadlines, sock: socket.socket, seconds: float):
-        self._deadlines = deadlines
-        self._sock = sock
-        self._seconds = seconds
-        self._running = False
-
-    def set(self, seconds: float) -> None:
-        """What is read from now on must arrive within ``seconds`` (of when it started)."""
-        self._seconds = seconds
-        if self._running:
-            self._deadlines.start(self._sock, seconds)
-
-    def start(self) -> None:
-        if not self._running:
-            self._deadlines.start(self._sock, self._seconds)
-            self._running = True
-
-    def stop(self) -> None:
-        if self._running:
-            self._deadlines.stop(self._sock)
-            self._running = False
-
-
-class HeaderBudget:
-    """Bytes the headers of all frames being received may hold, parsed, at once.
-
-    A header's cost is counted before it is parsed (``wire.header_cost``); a
-    frame whose header does not fit is refused and read past. Real headers
-    take kilobytes: the budget only ever binds for a flood of them.
-    """
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self._used = 0
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> None:
-        with self._lock:
-            if self._used + nbytes > self.max_bytes:
-                raise LimitExceeded(
-                    f"headers being received already hold {self._used} of {self.max_bytes} "
-                    f"bytes; this one would take {nbytes} more"
-                )
-            self._used += nbytes
-
-    def take_spare(self, nbytes: int) -> bool:
-        """Take ``nbytes`` only from the budget's unused half (for what is kept, not what
-        is under way); False, taking nothing, if they do not fit there."""
-        with self._lock:
-            if self._used + nbytes > self.max_bytes // 2:
-                return False
-            self._used += nbytes
-            return True
-
-    def give_back(self, nbytes: int) -> None:
-        with self._lock:
-            self._used -= nbytes
-
-
-class _Charge:
-    """What one frame holds until it is stored or dropped: store claims, bytes, its header."""
-
-    def __init__(self, store: HistoryStore, header_budget: HeaderBudget):
-        self.store = store
-        self.header_budget = header_budget
-        self.reserved = 0
-        self.filled = 0
-        self.header = 0
-
-    def __enter__(self) -> _Charge:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self.reserved or self.filled:
-            self.store.release(self.reserved, self.filled)
-        self.release_header()
-
-    def hold_header(self, nbytes: int) -> None:
-        """Hold ``nbytes`` of the header budget for this frame's header, in all: first its
-        bytes as they come, then what parsing them makes."""
-        if nbytes > self.header:
-            self.header_budget.take(nbytes - self.header)
-            self.header = nbytes
-
-    def release_header(self) -> None:
-        """Give the header's share of the budget back (a refused frame's, before its discard)."""
-        if self.header:
-            self.header_budget.give_back(self.header)
-            self.header = 0
-
-    def reserve(self, nbytes: int) -> None:
-        self.store.reserve(nbytes)
-        self.reserved += nbytes
-
-    def fill(self, nbytes: int) -> None:
-        self.store.fill(nbytes)
-        self.filled += nbytes
-
-    def stored(self, nbytes: int) -> None:
-        """``nbytes`` now belong to a stored capture: the store keeps them, not this frame."""
-        self.reserved -= nbytes
-        self.filled -= nbytes
-
-
 def _arrays_of(layout: tuple[tuple[np.dtype, int, tuple[int, ...]], ...],
                payload: bytearray | memoryview) -> tuple[np.ndarray, ...]:
     """The arrays of ``layout`` in a small frame's ``payload``: one numpy call per array, not
@@ -910,15 +721,6 @@ def _batches(views: list[np.ndarray], limit: int) -> list[list[np.ndarray]]:
     return batches
 
 
-def _sender_of(meta: dict[str, Any], connection: Sender) -> Sender:
-    rank, world_size = meta.get("rank"), meta.get("world_size")
-    if rank is None and world_size is None:
-        return connection
-    # Out of range, a number is nonsense, and a 300-digit one would widen every table.
-    return dataclasses.replace(connection, rank=_int_in(rank, wire.RANKS),
-                               world_size=_int_in(world_size, range(1, wire.RANKS.stop + 1)))
-
-
 def _refused_name(known: KnownHeader | None, why: ProtocolError) -> str | None:
     """The name of a refused capture: its header's, or as much of one as was valid."""
     if known is not None:
@@ -926,57 +728,3 @@ def _refused_name(known: KnownHeader | None, why: ProtocolError) -> str | None:
     return None if why.capture_name is None else wire.printable(why.capture_name)
 
 
-def _notice_of(header: wire.FrameHeader, sender: Sender) -> UnsentNotice:
-    """The notice a frame with ``meta["unsent"]`` carries: a name, a type and a reason, no data."""
-    unsent = header.meta["unsent"]
-    if header.leaves or header.tree is not None or not isinstance(unsent, dict):
-        raise ProtocolError("a notice of an unsent capture carries data, or no notice")
-    return UnsentNotice(
-        None if header.name is None else wire.printable(header.name),
-        _str_or(unsent.get("type"), 200) or "?",
-        _str_or(unsent.get("reason"), wire.MAX_REASON) or "?",
-        _str_or(header.meta.get("site")),
-        sender,
-        time.time(),
-    )
-
-
-def _announcement_of(header: wire.FrameHeader, sender: Sender) -> Announcement:
-    """What a frame with ``meta["on_demand"]`` tells: a name caught on demand, what it looks
-    like (type, shape, dtype), no data."""
-    looks = header.meta["on_demand"]
-    if header.leaves or header.tree is not None or not isinstance(looks, dict):
-        raise ProtocolError("an announcement of an on-demand name carries data, or nothing")
-    shape = looks.get("shape")
-    if not (isinstance(shape, list) and len(shape) <= 64
-            and all(is_int(size) and 0 <= size < 1 << 62 for size in shape)):
-        shape = None
-    return Announcement(
-        None if header.name is None else wire.printable(header.name),
-        _str_or(looks.get("type"), 200) or "?",
-        None if shape is None else tuple(shape),
-        _str_or(looks.get("dtype"), 40),
-        _str_or(header.meta.get("site")),
-        sender,
-        time.time(),
-    )
-
-
-def _undelivered_of(meta: dict[str, Any]) -> dict[str, int]:
-    """The sender's own count of captures it could not deliver, by reason (known ones only)."""
-    counts = meta.get("undelivered")
-    if not isinstance(counts, dict):
-        return {}
-    return {reason: count for reason, count in counts.items()
-            if reason in wire.NOT_DELIVERED_REASONS and _int_in(count, range(1 << 62)) is not None}
-
-
-def _int_in(value: Any, numbers: range) -> int | None:
-    """``value`` if it is an int (not a bool) in ``numbers``, else None."""
-    if isinstance(value, int) and not isinstance(value, bool) and value in numbers:
-        return value
-    return None
-
-
-def _str_or(value: Any, most: int = 1024) -> str | None:
-    return wire.printable(value[:most]) if isinstance(value, str) else None

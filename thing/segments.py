@@ -40,8 +40,8 @@ from ._core import map_file
 from .arrays import CARRIER_DTYPES, LeafSpec
 from .captures import Capture, Sender
 from .errors import BadRecording, ProtocolError
+from .known_headers import KnownHeader
 from .log import log
-from .receiver import KnownHeader
 from .run_names import MAX_RUN_NAME
 
 FORMAT = "thing-history"

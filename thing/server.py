@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 from . import auth, config, receiver, shm, wire
 from .buffers import ReceiveBuffers
 from .captures import Capture, Sender, value_of
+from .deadlines import Deadlines
 from .errors import HandshakeError, ProtocolError, whole_number
+from .frame_charges import HeaderBudget
 from .history_stats import StatsWorker
 from .log import INFO, WARNING, LogOnce, log
 from .settings_table import Statement
@@ -105,10 +107,10 @@ class Server:
         self._started_in = os.getpid()  # the process whose files they are
         self._connections: dict[socket.socket, receiver.Connection] = {}
         self.min_rate = config.min_frame_rate()
-        self._deadlines = receiver.Deadlines()
+        self._deadlines = Deadlines()
         # What the headers of frames under way may hold at once, parsed: an eighth of the
         # store's cap, at least 16 MiB (a real header takes kilobytes).
-        self._header_budget = receiver.HeaderBudget(max(self.store.max_bytes // 8, 16 << 20))
+        self._header_budget = HeaderBudget(max(self.store.max_bytes // 8, 16 << 20))
         self._counts = receiver.ReceiveCounts()
         self._mappings = shm.Mappings(config.max_mappings())
         self._lock = threading.Lock()
