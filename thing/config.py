@@ -9,10 +9,13 @@ from __future__ import annotations
 import math
 import os
 import re
+from typing import TypeVar
 
 from .log import log
 
 DEFAULT_PORT = 2875
+
+T = TypeVar("T")
 
 
 # What an integer setting may be at most: some are C integers in the compiled core, where
@@ -22,6 +25,13 @@ _MAX_INT = 1 << 62
 
 def _env_int(name: str, default: int) -> int:
     return _bounded(_env_float(name, default))
+
+
+def _ignored(name: str, value: object, why: str, default: T) -> T:
+    """Say that ``name``'s value is ignored, and why, and return the default to use: a typo
+    in a variable must not stop a training job."""
+    log.warning("ignoring %s=%r: %s; using %r", name, value, why, default)
+    return default
 
 
 def _bounded(number: float) -> int:
@@ -35,9 +45,7 @@ def _env_bytes(name: str, default: int) -> int:
         return default
     size = parse_size(raw)
     if size is None:
-        log.warning("ignoring %s=%r: not a size (try 4G, 512M or 4096); using %s", name, raw,
-                    default)
-        return default
+        return _ignored(name, raw, "not a size (try 4G, 512M or 4096)", default)
     return _bounded(size)
 
 
@@ -66,9 +74,7 @@ def _env_float(name: str, default: float) -> float:
     except ValueError:
         value = math.nan
     if not math.isfinite(value):
-        # A typo in a variable must not stop a training job: say so and go on.
-        log.warning("ignoring %s=%r: not a number; using %s", name, raw, default)
-        return default
+        return _ignored(name, raw, "not a number", default)
     return value
 
 
@@ -92,9 +98,7 @@ def serve_port() -> int:
 def _port() -> int:
     port = _env_int("THING_PORT", DEFAULT_PORT)
     if not 0 <= port <= 65535:  # bind() and connect() would fail with a traceback
-        log.warning("ignoring THING_PORT=%s: not a port (0 to 65535); using %d", port,
-                    DEFAULT_PORT)
-        return DEFAULT_PORT
+        return _ignored("THING_PORT", port, "not a port (0 to 65535)", DEFAULT_PORT)
     return port
 
 
@@ -189,8 +193,7 @@ def transport() -> str:
     """
     value = os.environ.get("THING_TRANSPORT", "").strip().lower() or "auto"
     if value not in ("auto", "tcp", "unix", "shm"):
-        log.warning("ignoring THING_TRANSPORT=%r: use auto, tcp, unix or shm", value)
-        return "auto"
+        return _ignored("THING_TRANSPORT", value, "use auto, tcp, unix or shm", "auto")
     return value
 
 
@@ -252,9 +255,7 @@ def store_max_bytes() -> int:
     default = _physical_memory() // 2
     size = _env_bytes("THING_STORE_BYTES", default)
     if size <= 0:  # a store that refuses every capture
-        log.warning("ignoring THING_STORE_BYTES=%d: not a positive size; using %d", size,
-                    default)
-        return default
+        return _ignored("THING_STORE_BYTES", size, "not a positive size", default)
     return size
 
 
