@@ -242,6 +242,18 @@ def test_serve_recording_stopped_by_a_signal_writes_what_was_waiting(tmp_path: P
     assert thing.HistoryStore().load(tmp_path / "rec") == 30
 
 
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["open", "."]])
+def test_a_session_with_its_input_closed_is_refused_at_once(command: list[str]) -> None:
+    """`thing serve <&-` (nohup, a service) started the server, then ended in a traceback
+    at the session's first prompt ("input(): lost sys.stdin", IPython's crash report)."""
+    result = subprocess.run([sys.executable, "-m", "thing", *command], env=script_env(),
+                            preexec_fn=lambda: os.close(0), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "has no input to read one from" in result.stderr
+    assert "Server started" not in result.stderr
+
+
 def test_serve_recording_stopped_by_a_signal_during_a_close_typed_at_it(tmp_path: Path
                                                                           ) -> None:
     """SIGTERM while the session's own `close()` wrote the recording: the signal's handler

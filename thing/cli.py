@@ -94,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve" and args.record is None and _recorder_options(args) != (
             _recorder_options(parser.parse_args(["serve"]))):
         parser.error("--max-bytes, --segment-bytes and --segment-seconds need --record DIR")
+    if args.command in ("serve", "open") and sys.stdin is None:
+        # Started with its input closed (nohup ... <&-, a service): the session would end
+        # in a traceback at its first prompt, after the server had started.
+        parser.error(f"`thing {args.command}` opens an interactive session, and this process "
+                     "has no input to read one from" + (
+                         " (for a server with no session: thing record DIR)"
+                         if args.command == "serve" else ""))
     try:
         return _run(args, parser)
     except BrokenPipeError:  # `thing ... | head`: the reader has gone, and so may we
