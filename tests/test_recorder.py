@@ -375,6 +375,9 @@ def test_one_writer_per_directory(tmp_path: Path) -> None:
                                   "--port", str(taken.getsockname()[1])], env=script_env(),
                                  capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "already in use" in refused.stderr
+    # What to try names the command that was run (it said `thing serve`, a session).
+    assert f"`thing record {tmp_path / 'new'} --port " in refused.stderr
+    assert "`thing serve" not in refused.stderr and "thing.serve(" not in refused.stderr
     assert not (tmp_path / "new").exists()
     assert recorder.written >= 1
     loaded = HistoryStore()

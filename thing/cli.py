@@ -225,7 +225,7 @@ def record_headless(directory: str, port: int | None = None, host: str | None = 
         server.close()  # lets the directory go
         if made:  # nothing was recorded in it: not left behind
             shutil.rmtree(directory, ignore_errors=True)
-        print(f"thing: {_bind_failure(exc, server.host, server.port)}", file=sys.stderr)
+        print(f"thing: {_bind_failure(exc, server.host, server.port, directory)}", file=sys.stderr)
         return 1
     stop = threading.Event()
     # Ctrl+C too sets the event rather than raising KeyboardInterrupt: one that came again

@@ -15,6 +15,7 @@ import errno
 import functools
 import logging
 import os
+import shlex
 import socket
 import sys
 import threading
@@ -87,19 +88,23 @@ def serve(port: int | None = None, host: str | None = None) -> Server:
         return server
 
 
-def _bind_failure(exc: OSError, host: str, port: int) -> str:
-    """One sentence saying why the server could not listen, and what to try instead (in the
-    REPL or at the command line: ``thing serve`` and ``thing record`` say it too)."""
+def _bind_failure(exc: OSError, host: str, port: int, recording: str | None = None) -> str:
+    """One sentence saying why the server could not listen, and what to try instead: in the
+    REPL or ``thing serve``, or ``thing record`` into the directory ``recording``."""
+    def instead(option: str, value: object) -> str:
+        if recording is not None:
+            return f"`thing record {shlex.quote(recording)} --{option} {value}`"
+        return f"thing.serve({option}={value!r}) or `thing serve --{option} {value}`"
+
     if exc.errno in (errno.EADDRINUSE, errno.EACCES):
         why = ("is already in use (another thing server?)" if exc.errno == errno.EADDRINUSE
                else "needs administrator rights")
         free = _free_port_near(port if exc.errno == errno.EADDRINUSE else max(port, 1024), host)
-        return (f"Port {port} {why}; try port {free}: thing.serve(port={free}) or "
-                f"`thing serve --port {free}`, and THING_PORT={free} for the jobs.")
+        return (f"Port {port} {why}; try port {free}: {instead('port', free)}, and "
+                f"THING_PORT={free} for the jobs.")
     if exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
         return (f"Cannot listen on {host!r}: it is not an address of this machine; try "
-                "thing.serve(host='0.0.0.0') or `thing serve --host 0.0.0.0` to accept "
-                "connections on every interface.")
+                f"{instead('host', '0.0.0.0')} to accept connections on every interface.")
     return f"Cannot listen on {host}:{port}: {exc.strerror or exc}."
 
 
