@@ -296,6 +296,57 @@ def test_small_segments_are_copied_out_and_large_ones_mapped(tmp_path: Path) -> 
     assert len(senders) == 1  # one sender, however many headers name it
 
 
+def _segments_of_one_array(directory: Path, count: int, elements: int) -> None:
+    """A recording of ``count`` segments, each one capture "w" of ``elements`` float32."""
+    from thing.segments import write_segment
+
+    directory.mkdir()
+    for number in range(1, count + 1):
+        store = HistoryStore()
+        store.add("w", np.full(elements, number, np.float32), (), 4 * elements,
+                  Sender("job:1"), call=number)
+        write_segment(segment_path(directory, number), store.kept())
+
+
+def test_arrays_copied_out_of_a_recording_count_against_the_cap(tmp_path: Path) -> None:
+    """A loaded capture was charged its record alone (about 3 KB), its arrays being the
+    file's; but a small segment's (and another user's file's) are copied into memory: a
+    crafted recording of many small files grew the REPL to ten times its cap."""
+    _segments_of_one_array(tmp_path / "rec", 40, 1 << 16)  # 256 KiB each: copied out
+    loaded = HistoryStore(max_bytes=2 << 20)
+    added = loaded.load(tmp_path / "rec")
+    assert 4 <= added <= 8  # the newest that fit 2 MiB
+    assert loaded.held_bytes <= loaded.max_bytes
+    history = loaded.get_all("w")
+    assert [capture.call for capture in history] == list(range(41 - len(history), 41))
+    assert all(np.array_equal(c.value, np.full(1 << 16, c.call, np.float32)) for c in history)
+
+
+def test_a_recording_keeps_no_more_files_mapped_than_thing_max_mappings(tmp_path: Path
+                                                                        ) -> None:
+    """Each mapped segment takes one of the process's map entries (often 65,530): a crafted
+    recording of many 1 MiB files (sparse, a few KB on disk) took them all, and the REPL's
+    own mappings (a thread's stack, a large array) then failed. Past the count the
+    segments are copied out, charged to the cap."""
+    _segments_of_one_array(tmp_path / "rec", 6, 1 << 19)  # 2 MiB each: mapped
+    out = run_script(f"""
+        import numpy as np
+        from thing.store import HistoryStore
+        from tests.test_persistence import mappings_of
+        from pathlib import Path
+        loaded = HistoryStore()
+        print(loaded.load({str(tmp_path / "rec")!r}), mappings_of(Path({str(tmp_path)!r})))
+        assert all(np.array_equal(c.value, np.full(1 << 19, c.call, np.float32))
+                   for c in loaded.get_all("w"))
+        # Gone with their captures, the mappings count no more: the next load maps again.
+        loaded.clear()
+        again = HistoryStore()
+        again.load({str(tmp_path / "rec")!r})
+        print(mappings_of(Path({str(tmp_path)!r})))
+    """, THING_MAX_MAPPINGS="3")
+    assert out.split() == ["6", "3", "3"]
+
+
 def test_a_save_is_whole_or_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
     """One name given as a string is that name; a save that fails (an unknown name, a
     full disk mid-way, a directory with files of its own) leaves no file behind and

@@ -216,8 +216,9 @@ def load(path: PathLike, store: HistoryStore, skip_damaged: bool = False) -> int
     refused with :class:`~thing.errors.BadRecording` and nothing is loaded,
     unless ``skip_damaged``: then the other segments load, and each one left
     out is logged. Segments are read newest first, and once their captures'
-    records fill the store's cap the older ones are checked but not kept (the
-    store would evict them at once). A segment a live recorder deletes
+    charges (records, and arrays copied out of the files: see ``read_segment``)
+    fill the store's cap the older ones are checked but not kept (the store
+    would evict them at once). A segment a live recorder deletes
     meanwhile (its byte budget) is skipped. A save cut short is loaded as far
     as it was written, with a warning.
     """

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from . import config, value_trees, wire
+from . import config, shm, value_trees, wire
 from ._core import map_file
 from .arrays import CARRIER_DTYPES, LeafSpec
 from .captures import Capture, Sender
@@ -81,7 +81,7 @@ class LoadedCapture(NamedTuple):
     """A capture read back from a segment, checked, ready for :meth:`HistoryStore.restore`."""
 
     capture: Capture
-    charge: int  # what the store holds for it: its record (its arrays stay in the file)
+    charge: int  # what the store holds for it: its record, and its arrays if copied out
 
 
 class Segment(NamedTuple):
@@ -267,6 +267,18 @@ MAX_KNOWN_HEADERS = 4096
 MAX_COPIED_BYTES = 1 << 20
 
 
+_mappings: shm.Mappings | None = None
+
+
+def _kept_mappings() -> shm.Mappings:
+    """The recording files this process keeps mapped, for all its loads together, at most
+    ``THING_MAX_MAPPINGS`` (each takes one of its map entries, often 65,530 in all)."""
+    global _mappings
+    if _mappings is None:
+        _mappings = shm.Mappings(config.max_mappings())
+    return _mappings
+
+
 class KnownHeaders:
     """What one load validated already, for the segments after it: capture headers, by
     their text and sender (a recording of a training loop repeats a few thousands of
@@ -291,10 +303,11 @@ def read_segment(path: Path, known_headers: KnownHeaders | None = None) -> Segme
     Nothing in the file is executed or trusted: every offset is checked against
     the file's size, every capture's header is validated as a frame's is. The
     arrays returned are the file itself, mapped copy-on-write (writing to one
-    changes this process's copy only), or, for a segment of less than
-    MAX_COPIED_BYTES of arrays or a file another user may change (theirs, or
-    writable by others), a copy. ``known_headers`` carries what was validated
-    from one segment to the next.
+    changes this process's copy only), or a copy, charged to the store as a
+    received capture's arrays are: for a segment of less than MAX_COPIED_BYTES
+    of arrays, a file another user may change (theirs, or writable by others),
+    or one past the ``THING_MAX_MAPPINGS`` files this process keeps mapped.
+    ``known_headers`` carries what was validated from one segment to the next.
     """
     try:
         return _read(path, KnownHeaders() if known_headers is None else known_headers)
@@ -364,13 +377,20 @@ def _read(path: Path, known_headers: KnownHeaders) -> Segment:
             mapped, data_start = _read_at(descriptor, data_start, size - data_start, path), 0
     finally:
         os.close(descriptor)
-    if size - data_start < MAX_COPIED_BYTES:  # the mapping goes with this function's end
-        mapped, data_start = bytearray(memoryview(mapped)[data_start:]), 0
+    copied = bool(foreign)
+    if not copied:
+        base = np.frombuffer(mapped, np.uint8)  # every array views it: counted while it lives
+        # Copied out, the mapping going with this function's end: a small segment, or one
+        # past this process's count of kept mappings (a recording crafted of many files
+        # would take every map entry; a copy is charged to the history's cap instead).
+        copied = size - data_start < MAX_COPIED_BYTES or not _kept_mappings().keep(base)
+        mapped = bytearray(base[data_start:]) if copied else base
+        data_start = 0 if copied else data_start
     # As a server would take them, and as large as they are (this server may take less).
     limits = wire.Limits()
     limits = replace(limits, max_capture_bytes=max(limits.max_capture_bytes, size))
     captures = [_capture(index, record, tensors, mapped, data_start, limits, known_headers,
-                         path) for index, record in enumerate(records)]
+                         path, copied) for index, record in enumerate(records)]
     if sum(len(c.capture.leaves) for c in captures) != len(tensors):
         raise BadRecording(f"{path} holds tensors that no capture uses")
     return Segment(captures, dropped)
@@ -489,7 +509,7 @@ def _tensor_table(document: dict[str, Any], data_len: int, path: Path) -> dict[s
 
 def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: Any,
              data_start: int, limits: wire.Limits, known_headers: KnownHeaders,
-             path: Path) -> LoadedCapture:
+             path: Path, copied: bool) -> LoadedCapture:
     where = f"{path}, capture {index}"
     if not (isinstance(record, dict) and set(record) == _RECORD_KEYS):
         raise BadRecording(f"{where}: not a capture record")
@@ -553,7 +573,9 @@ def _capture(index: int, record: Any, tensors: dict[str, _Tensor], mapped: Any,
                       call_site=_one_of(known.call_site),
                       consistent=record["consistent"], call=call, step=step,
                       requested=known.requested)
-    return LoadedCapture(capture, known.record_bytes)
+    # Arrays copied into this process's memory are charged as a received capture's are; those
+    # in a mapped file are the page cache's, which the kernel takes back as it needs.
+    return LoadedCapture(capture, known.record_bytes + (payload_len if copied else 0))
 
 
 def _one_of(text: Optional[str]) -> Optional[str]:
