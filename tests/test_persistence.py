@@ -347,6 +347,31 @@ def test_a_recording_keeps_no_more_files_mapped_than_thing_max_mappings(tmp_path
     assert out.split() == ["6", "3", "3"]
 
 
+@pytest.mark.parametrize("pad", [1, 200_001])  # a small segment (copied), a large (mapped)
+def test_a_loaded_complex128_tensor_is_aligned_as_torch_needs(tmp_path: Path, pad: int) -> None:
+    """A recording aligns an array to 8 bytes at most; torch takes complex128 elements to
+    lie at multiples of 16, and a loaded one after an odd number of float64 crashed the
+    REPL (SIGSEGV) at its first clone()."""
+    pytest.importorskip("torch")
+    run_script(f"""
+        import numpy as np, torch, thing
+        server = thing.Server(port=0).start()
+        client = thing.Client("127.0.0.1", server.port)
+        z = torch.tensor([1 + 2j, 3 - 4j, -0.0 + 5e-324j], dtype=torch.complex128)
+        assert client.catch(np.zeros({pad}, np.float64), name="pad").wait(30)
+        assert client.catch(z, name="z").wait(30)
+        client.close()
+        server.save({str(tmp_path / "rec")!r})
+        server.close()
+        loaded = thing.HistoryStore()
+        loaded.load({str(tmp_path / "rec")!r})
+        back = loaded.get("z").value
+        assert back.data_ptr() % 16 == 0
+        assert torch.equal(back.clone().view(torch.float64), z.view(torch.float64))
+        assert torch.equal((back * 1).view(torch.float64), z.view(torch.float64))
+    """)
+
+
 def test_a_save_is_whole_or_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
     """One name given as a string is that name; a save that fails (an unknown name, a
     full disk mid-way, a directory with files of its own) leaves no file behind and
