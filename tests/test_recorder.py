@@ -87,6 +87,20 @@ def test_every_capture_a_client_sends_is_recorded_in_order(tmp_path: Path) -> No
     assert "thing recorded 300 captures" in out
 
 
+def test_a_change_made_in_the_repl_is_in_the_history_not_in_the_recording(tmp_path: Path
+                                                                          ) -> None:
+    """`get()` hands out the kept array, the REPL's to change in place; the recorder wrote
+    the same array seconds later, so `w *= 100` made the recording say the job sent it."""
+    with thing.Server(port=0) as server:
+        server.record(tmp_path / "rec")
+        run_script(STREAM, server.port, COUNT="3", SIZE="1000", WAIT="1")
+        changed = server.get("step")
+        changed *= 100
+        server.get_all("step")[0][:] = -1
+    assert _steps(tmp_path / "rec") == [0, 1, 2]  # bit for bit, as sent
+    assert np.array_equal(changed, np.full(1000, 200, np.int64))  # the history's, changed
+
+
 def test_a_recorder_killed_at_random_moments_always_leaves_a_recording(tmp_path: Path) -> None:
     """SIGKILL 20 times while a client streams; restart on the same directory each time."""
     directory, port = tmp_path / "rec", free_port()

@@ -112,6 +112,17 @@ class Capture:
                   .reshape(leaf.spec.shape) for leaf in payload.leaves]
         return ReceivedValue(payload.tree, specs, arrays)
 
+    def as_arrived(self) -> Capture:
+        """This capture with arrays of its own, copied now: what the REPL then changes in
+        place (``get(name) *= 2``, which changes the history) does not reach it."""
+        parts = self.parts()
+        own = ReceivedValue(parts.tree, parts.specs, [array.copy() for array in parts.arrays])
+        copy = Capture(self.id, self.name, own, parts.specs, self.nbytes, self.sender,
+                       self.received_at, self.caught_at, self.call_site, self.consistent,
+                       self.call, self.given_step, self.requested)
+        copy.placed_at = self.placed_at
+        return copy
+
     def _repr_html_(self) -> str:  # Jupyter shows a capture as its description
         from .reports import capture_report
 

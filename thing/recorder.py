@@ -8,8 +8,9 @@ capture is ``segment_seconds`` old. A crash loses the open segment at most;
 every file in the directory is whole. After each segment the oldest are
 deleted while the recording holds more than ``max_bytes``.
 
-One thread writes; the store hands each capture over as it is stored (a list
-append). A sender faster than the disk is slowed to the disk's pace: with
+One thread writes; the store hands each capture over as it is stored, and the
+recorder keeps a copy of it (what arrived: the REPL may change the history's
+arrays in place before their segment is written). A sender faster than the disk is slowed to the disk's pace: with
 too much waiting to be written, the connection that brings more waits for
 room before it reads its next frame, so the job's own queue fills and drops
 there, counted, rather than the recorder acknowledging what it then loses.
@@ -193,11 +194,14 @@ class Recorder:
     def _arrived(self, capture: Capture) -> None:
         """The store's listener, on the receiving thread: waits (``max_wait`` at most) while
         too much is waiting to be written, which slows the sender to the disk's pace."""
+        # What the store charges it, text and numbers too: a flood of text is held here as
+        # surely as one of arrays.
+        weight = self.store.charge(capture)
+        # A recording holds what arrived: the history's arrays are the REPL's to change in
+        # place, seconds before their segment is written.
+        capture = capture.as_arrived()
         with self._changed:
             deadline = time.monotonic() + self.max_wait
-            # What the store charges it, text and numbers too: a flood of text is held here
-            # as surely as one of arrays.
-            weight = self.store.charge(capture)
             while self._pending and not self._closing and (
                     self._pending_bytes + weight > self.max_pending_bytes
                     or len(self._pending) >= 4 * self.segment_captures):
