@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import thing
+from thing import segments
 from thing.captures import Sender
 from thing.errors import ThingError
 from thing.recorder import DISK_FULL, FALLING_BEHIND, Recorder
@@ -225,19 +226,57 @@ def test_a_directory_others_may_write_to_is_not_recorded_or_saved_into(tmp_path:
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)  # made by someone else for everyone, as /tmp/run may be
-    with pytest.raises(ThingError, match="anyone may write to it"):
+    with pytest.raises(ThingError, match="others may write to it"):
         Recorder(HistoryStore(), shared).start()
     store = HistoryStore()
     store.add("x", 1.0, (), 0, Sender("a:1"))
-    with pytest.raises(ThingError, match="anyone may write to it"):
+    with pytest.raises(ThingError, match="others may write to it"):
         store.save(shared)
     assert list(shared.iterdir()) == []
-    if os.geteuid() == 0:  # another user's, made for us (0755): theirs all the same
+    # Writable by this user's own private group (umask 002, as on Ubuntu): theirs alone.
+    own = tmp_path / "own"
+    own.mkdir()
+    own.chmod(0o775)
+    if segments._private_group(os.getgid()):
+        with Recorder(HistoryStore(), own):
+            pass
+    if os.geteuid() == 0:
+        # Another user's, made for us (0755): theirs all the same.
         theirs = tmp_path / "theirs"
         theirs.mkdir()
         os.chown(theirs, 65534, 65534)
         with pytest.raises(ThingError, match="another user's"):
             Recorder(HistoryStore(), theirs).start()
+        # Ours, writable by a group of others (a setgid project directory): they too could.
+        os.chown(own, 0, 65534)
+        with pytest.raises(ThingError, match="others may write to it"):
+            Recorder(HistoryStore(), own).start()
+        with pytest.raises(ThingError, match="others may write to it"):
+            store.save(own)
+
+
+def test_another_users_link_is_not_recorded_or_saved_through(tmp_path: Path) -> None:
+    """A neighbour's link where a job records or saves (/tmp/run1 -> the victim's own
+    directory, where the kernel follows links in shared directories) had the recorder
+    write there, and its byte budget delete the victim's segments."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to make a link another user owns")
+    victim = tmp_path / "important"
+    store = HistoryStore()
+    store.add("old", 1.0, (), 0, Sender("a:1"))
+    store.save(victim)
+    before = sorted(path.name for path in victim.iterdir())
+    link = tmp_path / "run1"
+    link.symlink_to(victim)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(ThingError, match="a symbolic link another user made"):
+        Recorder(HistoryStore(), link, max_bytes=1).start()
+    with pytest.raises(ThingError, match="a symbolic link another user made"):
+        store.save(link)
+    assert sorted(path.name for path in victim.iterdir()) == before
+    os.lchown(link, os.getuid(), os.getgid())  # one's own link is followed, as before
+    with Recorder(HistoryStore(), link):
+        pass
 
 
 @pytest.mark.parametrize("seconds", [float("inf"), 1e300, float("nan"), 0.0, -1.0])

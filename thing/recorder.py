@@ -10,10 +10,11 @@ deleted while the recording holds more than ``max_bytes``.
 
 One thread writes; the store hands each capture over as it is stored, and the
 recorder keeps a copy of it (what arrived: the REPL may change the history's
-arrays in place before their segment is written). A sender faster than the disk is slowed to the disk's pace: with
-too much waiting to be written, the connection that brings more waits for
-room before it reads its next frame, so the job's own queue fills and drops
-there, counted, rather than the recorder acknowledging what it then loses.
+arrays in place before their segment is written). A sender faster than the
+disk is slowed to the disk's pace: with too much waiting to be written, the
+connection that brings more waits for room before it reads its next frame, so
+the job's own queue fills and drops there, counted, rather than the recorder
+acknowledging what it then loses.
 When the disk is full, or writing stalls for ``max_wait``, captures are
 dropped, counted by reason, logged, and the count is written into the next
 segment that can be written; writing resumes by itself when there is room.

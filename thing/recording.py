@@ -32,6 +32,7 @@ from .segments import (
     clear_staging,
     flush_names,
     flush_to_disk,
+    mine_alone,
     read_segment,
     staging_directory,
     write_segment,
@@ -97,11 +98,15 @@ def recover_staged(directory: Path) -> None:
 def lock_for_writing(directory: Path) -> int:
     """Hold ``directory``'s writer lock, which a recorder holds while it runs and a save
     into an existing directory while it saves (released when the descriptor closes);
-    ThingError if another holds it, or if the directory is another user's or anyone may
-    write to it: they could put segments of their own among ours, or take ours away."""
-    info = os.stat(directory)
-    if info.st_uid != os.getuid() or info.st_mode & stat.S_IWOTH:
-        raise ThingError(f"{directory} is another user's, or anyone may write to it; record "
+    ThingError if another holds it, if the directory is another user's or others may write
+    to it (they could put segments of their own among ours, or take ours away), or if it is
+    another user's symbolic link (to where they would have us write, and delete)."""
+    link = os.lstat(directory)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != os.getuid():
+        raise ThingError(f"{directory} is a symbolic link another user made; record or save "
+                         "into a directory of your own")
+    if not mine_alone(os.stat(directory)):
+        raise ThingError(f"{directory} is another user's, or others may write to it; record "
                          "or save into a directory of your own")
     # O_NOFOLLOW: the lock is the recording's own file, never a link to elsewhere.
     descriptor = os.open(directory / WRITER_LOCK,

@@ -156,6 +156,27 @@ def write_unflushed(path: Path, captures: Sequence[Capture],
     return temporary, len(records)
 
 
+def mine_alone(info: os.stat_result) -> bool:
+    """Whether a file (or directory) of this status is this user's, and no other user may
+    write to it: not anyone, nor a group, unless that group is the user's own private one
+    (named after them, with no other members: where the umask is 002, as on Ubuntu, every
+    file a user makes is writable by it)."""
+    if info.st_uid != os.getuid() or info.st_mode & stat.S_IWOTH:
+        return False
+    return not info.st_mode & stat.S_IWGRP or _private_group(info.st_gid)
+
+
+def _private_group(gid: int) -> bool:
+    import grp
+    import pwd
+
+    try:
+        user, group = pwd.getpwuid(os.getuid()).pw_name, grp.getgrgid(gid)
+    except KeyError:  # a user or group the system cannot name
+        return False
+    return gid == os.getgid() and group.gr_name == user and set(group.gr_mem) <= {user}
+
+
 def staging_directory(directory: Path) -> Path:
     """``directory``'s staging folder, made if missing. ``OSError`` if it is anything but
     a real directory of this user: a link there (a recording unpacked from someone's
@@ -355,7 +376,7 @@ def _read(path: Path, known_headers: KnownHeaders) -> Segment:
         # undo the checks below (a sparse tensor's indices rewritten once checked: writes
         # out of bounds) or end the process (SIGBUS once truncated). Its header first: the
         # rest is read only once the header says what it holds, as much as the store may.
-        foreign = info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        foreign = not mine_alone(info)
         if foreign:
             mapped: Any = _read_at(descriptor, 0, min(size, 8 + MAX_FILE_HEADER), path)
         else:
