@@ -226,6 +226,27 @@ def test_a_temp_directory_a_neighbour_made_first_is_passed_over(
         assert (tmp_path / "home" / ".thing" / f"token-{exposed.port}").exists()
 
 
+def test_a_runtime_directory_others_may_write_to_is_passed_over(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """XDG_RUNTIME_DIR=/tmp (a container, su): another user who made /tmp/thing first
+    left the server with no Unix socket and the job with none to send to (nor a token
+    file); such a runtime directory counts as none."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    spoil(shared / "thing", "group-writable")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(shared))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # for the client subprocess
+    assert unix_socket_path(4242) == tmp_path / f"thing-{os.getuid()}" / "4242.sock"
+    with thing.Server(port=0) as server:
+        assert server.unix_path is not None
+        run_script("import thing; assert thing.catch(1, name='one').wait(30)", server.port,
+                   THING_TRANSPORT="unix")
+        assert not server.capture("one").sender.address.startswith("127.0.0.1:")
+
+
 def test_a_job_with_no_temporary_or_home_directory_still_sends_over_tcp(
         server: thing.Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """A container with a read-only file system (no usable temporary directory) and a uid

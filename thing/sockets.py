@@ -44,10 +44,22 @@ def home_directory() -> Path | None:
 
 
 def runtime_directory() -> Path | None:
-    """thing's directory under ``$XDG_RUNTIME_DIR``, the user's own by design; None
-    where that is not set (or names no directory)."""
+    """thing's directory under ``$XDG_RUNTIME_DIR``, the user's own by design; None where
+    that is not set, or names no directory of this user's that only they may write to.
+
+    Such a one (``/tmp``, as containers and ``su`` may leave it) is as if unset: another
+    user could make thing's directory in it first, and no socket or token file would go
+    anywhere.
+    """
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    return Path(runtime) / "thing" if runtime and os.path.isdir(runtime) else None
+    try:
+        info = os.stat(runtime) if runtime else None
+    except OSError:
+        return None
+    if (info is None or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()
+            or info.st_mode & 0o022):
+        return None
+    return Path(runtime) / "thing"
 
 
 # The sender thread must never be the first to take these: a fork (a DataLoader worker,
