@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import socket
 import tempfile
 import threading
@@ -143,11 +144,13 @@ def test_an_on_demand_name_sends_nothing_until_requested(server: thing.Server,
     assert calls_of(server, "attn_probs") == [21, 22, 23]  # and nothing more
 
 
+@pytest.mark.parametrize("spelling", ["a\\tb", "a\tb"], ids=["as-shown", "as-caught"])
 def test_a_name_the_repl_shows_escaped_is_steered_by_what_it_shows(
-        server: thing.Server) -> None:
+        server: thing.Server, spelling: str) -> None:
     """A name with a character that is not printable is kept, listed and shown escaped
     ("a\\tb"); asked for by that name, the job now sends it (it was told of a name it
-    did not have, and nothing came)."""
+    did not have, and nothing came). Asked for as the job's code spells it (a real tab),
+    the request was told to the job, listed as in force, and did nothing."""
     job = start_script("""
         import sys, numpy as np, thing
         def catch_some(count):
@@ -166,7 +169,7 @@ def test_a_name_the_repl_shows_escaped_is_steered_by_what_it_shows(
         assert job.stdout.readline().strip() == "ready"
         [announced] = server.available()
         assert announced.name == "a\\tb"
-        assert server.request(announced.name, count=2) == 1
+        assert server.request(spelling, count=2) == 1
         job.stdin.write("go\n")
         job.stdin.flush()
         assert job.stdout.readline().strip() == "done"
@@ -420,11 +423,16 @@ def test_a_pause_set_before_a_job_starts_holds_back_its_very_first_calls(
     assert [capture.value for capture in server.store.get_all("loss")] == [0, 1, 2, 3]
 
 
-def test_thing_control_0_ignores_the_repl(server: thing.Server, jobs: list[Job]) -> None:
+def test_thing_control_0_ignores_the_repl(server: thing.Server, jobs: list[Job],
+                                          caplog: pytest.LogCaptureFixture) -> None:
     jobs.append(job := Job(server.port, THING_CONTROL="0"))
     job.sync()
     assert server.steering.clients == 0  # it said so in its hello: nothing is sent to it
-    server.every("w", 1)
+    # The REPL says so: it looked as if the setting were in force.
+    with caplog.at_level(logging.WARNING, logger="thing"):
+        server.every("w", 1)
+    assert "1 connected job refuses steering" in caplog.text
+    assert "1 connected job refuses steering" in live._steering_line(server.info())
     server.request("w", 3)
     job.sync()
     job.catch("w", 5, every=100)

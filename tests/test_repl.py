@@ -891,6 +891,43 @@ def test_help_lists_every_public_function_and_class(capsys, monkeypatch) -> None
             "throttles say (rank=: only that rank's).") in out
 
 
+def test_piped_status_says_the_steering_in_force_and_each_change(default: thing.Server
+                                                                ) -> None:
+    """status() that cannot redraw (piped, a dumb terminal, no rich) printed arrivals only:
+    the settings in force, which only status() shows, were never said."""
+    result = run_script("""
+        import os, signal, threading, time, numpy as np, thing, thing.live
+        server = thing.serve(port=0)
+        thing.every("loss", 10)
+        said, say = [], thing.live.say
+        def watched(text):  # to go on once status() has said it
+            say(text)
+            said.append(text)
+        thing.live.say = watched
+        def until_steering_said(times):
+            deadline = time.monotonic() + 20
+            while sum(line.startswith("steering:") for line in said) < times:
+                assert time.monotonic() < deadline, said
+                time.sleep(0.01)
+        def send_then_stop():
+            client = thing.Client("127.0.0.1", server.port)
+            try:
+                until_steering_said(1)
+                assert client.catch(1.0, name="loss").wait(10)
+                thing.pause("w")
+                until_steering_said(2)
+            finally:
+                client.close()
+                os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=send_then_stop).start()
+        thing.status()
+    """, full=True, COLUMNS="")
+    said = [line for line in result.stdout.splitlines() if line.startswith("steering:")]
+    assert len(said) == 2, result.stdout
+    assert "every 10" in said[0] and "paused" not in said[0]
+    assert "every 10" in said[1] and "paused" in said[1]
+
+
 def test_piped_reports_fit_80_columns_whatever_the_names(default: thing.Server) -> None:
     """Piped (80 columns): help's signatures, the lines status() prints as captures come,
     and the names ingest_all() bound, wide characters and 170-character names included,

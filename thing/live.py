@@ -29,6 +29,7 @@ from .display import (
     Column,
     Report,
     Table,
+    counted,
     elide,
     in_notebook,
     print_drawing,
@@ -108,8 +109,17 @@ def view(store: HistoryStore, info: ServerInfo, rows: int, width: int | None = N
                   [] if recent else ["waiting for the first capture..."],
                   [("shrink", "value"), ("shrink", "sender"), ("drop", "sender"),
                    ("drop", "rank"), ("drop", "id"), ("shrink", "name")])
-    steering = ("steering: " + "; ".join(map(str, info.steering))) if info.steering else ""
-    return Report(header, elide(steering, width), _sparkline_table(store, width), table)
+    return Report(header, elide(_steering_line(info), width), _sparkline_table(store, width),
+                  table)
+
+
+def _steering_line(info: ServerInfo) -> str:
+    """What the REPL set for the running jobs (empty if nothing), and which refuse it."""
+    if not info.steering:
+        return ""
+    refusing = (f" ({counted(info.refusing, 'connected job')} refuse"
+                f"{'s' if info.refusing == 1 else ''} steering)" if info.refusing else "")
+    return "steering: " + "; ".join(map(str, info.steering)) + refusing
 
 
 def _sparkline_table(store: HistoryStore, width: int, names: int = 5) -> Table | None:
@@ -285,7 +295,13 @@ def _watch_in_terminal(store: HistoryStore, info: Callable[[], ServerInfo], rows
 
 def _watch_as_lines(store: HistoryStore, info: Callable[[], ServerInfo]) -> None:
     seen = store.received
-    while info().running:
+    said = ""  # the steering line last said: a line again whenever it changes
+    while (now := info()).running:
+        steering = _steering_line(now)
+        if steering != said:
+            say(elide(steering or "steering: none (the jobs' own every= and first=)",
+                      terminal_width()))
+            said = steering
         store.wait_for_arrival(seen, REFRESH)
         received = store.received
         fresh = [c for c in reversed(store.recent(min(received - seen, 100))) if c.id >= seen]

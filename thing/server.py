@@ -67,6 +67,7 @@ class ServerInfo:
     refused: int  # connections turned away at the cap
     steering: tuple[Statement, ...] = ()  # what the REPL set for running clients
     running: bool = True  # False once closed
+    refusing: int = 0  # connected clients that refuse steering
 
 
 class Server:
@@ -280,7 +281,8 @@ class Server:
         with self._lock:
             clients = len(self._connections)
         return ServerInfo(self.host, self.port, clients, self.dropped_transfers, self.refused,
-                          tuple(self.steering.statements()), self.running)
+                          tuple(self.steering.statements()), self.running,
+                          self.steering.refusing)
 
     def __repr__(self) -> str:
         if not self.running:

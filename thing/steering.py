@@ -24,6 +24,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Optional
 
 from . import wire
+from .display import counted
 from .errors import ArgumentError, ArgumentTypeError, whole_number
 from .log import log
 from .settings_table import MAX_RANKED_STATEMENTS, MAX_STEERED_NAMES, SettingsTable, Statement
@@ -50,14 +51,17 @@ class Steering:
         self.instance = secrets.token_hex(8)
         # Job -> how many statements the table had made when it was last told (see attach).
         self._told: OrderedDict[tuple[str, int, Optional[str]], int] = OrderedDict()
+        # Connected jobs that refuse steering (control=False, THING_CONTROL=0): told nothing.
+        self._refusing: set[Connection] = set()
 
     def attach(self, connection: Connection) -> None:
         """Start steering a client that has just connected: what is in force, after a
         ``forget`` of what it may hold from before; to a job told before, what was said
         since then after the ``replayed``, as said anew."""
-        if not connection.takes_control:
-            return
         with self._lock:
+            if not connection.takes_control:
+                self._refusing.add(connection)
+                return
             self._connections.add(connection)
             told = self._told.get(_job(connection))
             statements = self._table.statements()  # oldest first: what it heard, then not
@@ -77,6 +81,7 @@ class Steering:
         """Forget a connection that ended."""
         with self._lock:
             self._connections.discard(connection)
+            self._refusing.discard(connection)
 
     def apply(self, operation: str, name: Optional[str], rank: Optional[int],
               value: int = 0) -> int:
@@ -102,7 +107,17 @@ class Steering:
                 if self._send(connection, message):
                     self._remember(connection)
                     sent += 1
-            return sent
+            refusing = len(self._refusing)
+        if refusing:
+            log.warning("%s refuse%s steering (control=False or THING_CONTROL=0 there): not "
+                        "told", counted(refusing, "connected job"), "s" if refusing == 1 else "")
+        return sent
+
+    @property
+    def refusing(self) -> int:
+        """How many connected jobs refuse steering."""
+        with self._lock:
+            return len(self._refusing)
 
     def statements(self) -> list[Statement]:
         """What is set now, oldest first."""

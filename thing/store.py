@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
-from . import config
+from . import config, wire
 from ._core import untrack
 from .arrays import LeafSpec
 from .captures import Capture, Sender
@@ -704,9 +704,13 @@ class HistoryStore:
         """``name`` as the REPL's steering sends it: itself if a kept capture or an on-demand
         announcement has that name, or if nothing here has it as its identifier (a job may
         not have caught it yet); else the one name whose identifier it is (as get() finds
-        ``h_3`` for ``h[3]``). UnknownName if it is the identifier of several."""
+        ``h_3`` for ``h[3]``). UnknownName if it is the identifier of several. A name with
+        characters a terminal would act on is steered as the job catches it, escaped
+        (``"a\\tb"`` for ``"a\tb"``)."""
         if name is None:
             return None
+        if isinstance(name, str):
+            name = wire.printable(name)
         with self._lock:
             announced = {announcement.name for announcement in self._available.values()}
             if name in self._by_name or name in announced:
