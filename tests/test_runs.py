@@ -7,12 +7,16 @@ functions pick the newest run by default, any run by id, or all of them.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import thing
 from thing.errors import UnknownName
 
-from .conftest import run_script
+from .conftest import free_port, run_script, script_env
 
 JOB = """
     import os, thing
@@ -141,6 +145,28 @@ def test_a_torchrun_launch_with_the_default_rendezvous_id_is_one_run(
     (run,) = server.runs()
     assert run.ranks == (0, 1) and run.id.startswith("torchrun-127.0.0.1:29500-")
     assert run.captures == 8  # three losses and a worker's capture from each rank
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["ranks", "ranks-in-a-wrapper"])
+def test_a_real_torchrun_launch_is_one_run(server: thing.Server, tmp_path: Path,
+                                            wrapped: bool) -> None:
+    """torchrun with its default rendezvous id, each rank started directly or through a
+    wrapper script (nsys, numactl, a shell that sets the environment): one run. Wrapped,
+    each rank was a run of its own (named after its parent, the wrapper), and get_all()
+    showed one rank's captures."""
+    pytest.importorskip("torch")
+    job = tmp_path / "job.py"
+    job.write_text("import os, thing\n"
+                   "for step in range(3):\n"
+                   "    assert thing.catch(float(step), name='loss').wait(30)\n")
+    entry = (["--no-python", "sh", "-c", f"{sys.executable} {job}; true"] if wrapped
+             else [str(job)])
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                    "--master_port", str(free_port()), *entry],
+                   env=script_env(server.port), check=True, capture_output=True, timeout=120)
+    (run,) = server.runs()
+    assert run.ranks == (0, 1) and run.captures == 6
+    assert run.id.startswith("torchrun-127.0.0.1:") or run.id.startswith("torchrun-localhost")
 
 
 def test_ranks_torchrun_started_again_after_a_failure_are_a_run_of_their_own(

@@ -92,5 +92,16 @@ def _torchrun_launch() -> Optional[str]:
         # In a process a rank spawned, the rank's name (its parent is no agent).
         inherited = os.environ.get(INHERITED, "")
         return inherited if inherited.startswith(launched) else (
-            f"{launched}{os.getppid()}{attempt}")
+            f"{launched}{_torchrun_agent()}{attempt}")
     return None
+
+
+def _torchrun_agent() -> str:
+    """This node's torchrun agent, alike in each of its ranks: the folder it made for the
+    launch's logs, where each rank's error file is, else its pid (the rank's parent, unless
+    a wrapper script stands between them: nsys, numactl, a shell setting the environment)."""
+    # <log dir>/<run id>_<random>/attempt_<n>/<local rank>/error.json
+    parts = os.environ.get("TORCHELASTIC_ERROR_FILE", "").split(os.sep)
+    if len(parts) >= 5 and parts[-3].startswith("attempt_") and parts[-4]:
+        return parts[-4]
+    return str(os.getppid())
