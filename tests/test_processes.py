@@ -160,6 +160,7 @@ import os, time, thing, thing.channel as channel
 {before_the_fork}
 pid = os.fork()
 if pid == 0:
+    print(handle.error, flush=True)  # read first: it says so as surely as done does
     print(handle.wait(), handle.done, handle.error, flush=True)  # no timeout: it must end
     os._exit(0)
 os.waitpid(pid, 0)
@@ -181,10 +182,13 @@ assert handle.wait(10), handle.error
 def test_a_handle_pending_at_a_fork_ends_in_the_child_and_the_parent_sends_it(
         server: thing.Server, before_the_fork: str) -> None:
     """Every handle ends: the child's copy of one the parent had pending at the fork says
-    the parent sends it (it waited for ever), and the parent does, once."""
+    the parent sends it (it waited for ever), and the parent does, once. Its error, read
+    before anything else, said nothing (None) until done was looked at."""
     out = run_script(FORKED_HOLDING_A_HANDLE.format(before_the_fork=before_the_fork),
                      server.port, timeout=60)
-    assert out.startswith("False True not sent by this process: caught before it was forked")
+    first, second = out.splitlines()[:2]
+    assert first.startswith("not sent by this process: caught before it was forked")
+    assert second.startswith("False True not sent by this process: caught before it was forked")
     assert server.get_all("before") == [7.0]
 
 

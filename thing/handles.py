@@ -44,13 +44,13 @@ class CaptureHandle:
     ``id`` is the server's id for it once acknowledged; ``error`` says why not.
     """
 
-    __slots__ = ("name", "id", "error", "_done", "_hurry", "_born")
+    __slots__ = ("name", "_id", "_error", "_done", "_hurry", "_born")
 
     def __init__(self, name: str | None, error: str | None = None,
                  hurry: Callable[[], None] | None = None):
         self.name = name
-        self.id: int | None = None
-        self.error = error
+        self._id: int | None = None
+        self._error = error
         self._done = error is not None
         # Asks the sender to send now: small captures otherwise wait for company.
         self._hurry = hurry
@@ -67,13 +67,13 @@ class CaptureHandle:
         looks too: the sender may need what that work holds.
         """
         if self.done or (timeout is not None and timeout <= 0) or interrupting():
-            return self.id is not None
+            return self._id is not None
         waiter = _allocate_lock()
         waiter.acquire()
         waiter = _waiters.setdefault(self, waiter)  # the one every waiter of this handle shares
         if self._done:  # resolved before the waiter was there to be released
             _waiters.pop(self, None)
-            return self.id is not None
+            return self._id is not None
         # Only a real wait asks: polling with wait(0) must not undo the batching.
         hurry = self._hurry  # read once: resolve() lets go of it
         if hurry is not None:
@@ -81,7 +81,17 @@ class CaptureHandle:
         if not waiter.acquire(timeout=-1 if timeout is None else timeout):
             return False
         waiter.release()  # for the next waiter of the same handle
-        return self.id is not None
+        return self._id is not None
+
+    @property
+    def id(self) -> int | None:
+        """The server's id for the capture once stored; None until then, or if it was not."""
+        return self._id if self.done else None
+
+    @property
+    def error(self) -> str | None:
+        """Why the capture was not stored (refused, or not sent); None while it may be."""
+        return self._error if self.done else None
 
     @property
     def done(self) -> bool:
@@ -94,7 +104,7 @@ class CaptureHandle:
         """Record the outcome; only the first call counts."""
         if self._done:
             return
-        self.id, self.error = capture_id, error
+        self._id, self._error = capture_id, error
         self._done = True  # after the outcome: whoever sees it done sees the outcome
         self._hurry = None  # a kept handle must not keep its channel (and its sender) alive
         waiter = _waiters.pop(self, None)
