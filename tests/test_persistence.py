@@ -322,29 +322,34 @@ def test_arrays_copied_out_of_a_recording_count_against_the_cap(tmp_path: Path) 
     assert all(np.array_equal(c.value, np.full(1 << 16, c.call, np.float32)) for c in history)
 
 
-def test_a_recording_keeps_no_more_files_mapped_than_thing_max_mappings(tmp_path: Path
-                                                                        ) -> None:
+def test_a_recording_keeps_no_more_files_mapped_than_its_share_of_map_entries(
+        tmp_path: Path) -> None:
     """Each mapped segment takes one of the process's map entries (often 65,530): a crafted
     recording of many 1 MiB files (sparse, a few KB on disk) took them all, and the REPL's
-    own mappings (a thread's stack, a large array) then failed. Past the count the
-    segments are copied out, charged to the cap."""
+    own mappings (a thread's stack, a large array) then failed. Past a quarter of them the
+    segments are copied out, charged to the cap; those only checked, not kept (older than
+    the cap holds), are neither copied nor counted."""
     _segments_of_one_array(tmp_path / "rec", 6, 1 << 19)  # 2 MiB each: mapped
     out = run_script(f"""
         import numpy as np
+        from pathlib import Path
+        from thing import segments
         from thing.store import HistoryStore
         from tests.test_persistence import mappings_of
-        from pathlib import Path
+        segments.MAPPED_SEGMENTS.most = 3  # a quarter of 12 map entries, say
         loaded = HistoryStore()
         print(loaded.load({str(tmp_path / "rec")!r}), mappings_of(Path({str(tmp_path)!r})))
         assert all(np.array_equal(c.value, np.full(1 << 19, c.call, np.float32))
                    for c in loaded.get_all("w"))
         # Gone with their captures, the mappings count no more: the next load maps again.
         loaded.clear()
-        again = HistoryStore()
-        again.load({str(tmp_path / "rec")!r})
-        print(mappings_of(Path({str(tmp_path)!r})))
-    """, THING_MAX_MAPPINGS="3")
-    assert out.split() == ["6", "3", "3"]
+        # Three mapped (their records charged), then one copied (2 MiB): full; the two older
+        # are checked through mappings that go with them.
+        small = HistoryStore(max_bytes=1 << 20)
+        print(small.load({str(tmp_path / "rec")!r}), mappings_of(Path({str(tmp_path)!r})),
+              segments.MAPPED_SEGMENTS.held)
+    """)
+    assert out.split() == ["6", "3", "4", "3", "3"]
 
 
 @pytest.mark.parametrize("pad", [1, 200_001])  # a small segment (copied), a large (mapped)

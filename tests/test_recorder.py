@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 
 import thing
-from thing import segments
+from thing import sockets
 from thing.captures import Sender
 from thing.errors import ThingError
 from thing.recorder import DISK_FULL, FALLING_BEHIND, Recorder
@@ -233,11 +234,22 @@ def test_a_directory_others_may_write_to_is_not_recorded_or_saved_into(tmp_path:
     with pytest.raises(ThingError, match="others may write to it"):
         store.save(shared)
     assert list(shared.iterdir()) == []
+    # What thing makes itself, a group may not write to, whatever the umask: under 002 a
+    # user whose group is not their own private one had their new directory refused.
+    umask = os.umask(0o002)
+    try:
+        with Recorder(HistoryStore(), tmp_path / "fresh"):
+            pass
+        store.save(tmp_path / "saved")
+    finally:
+        os.umask(umask)
+    for made in ("fresh", "saved"):
+        assert stat.S_IMODE((tmp_path / made).stat().st_mode) == 0o755
     # Writable by this user's own private group (umask 002, as on Ubuntu): theirs alone.
     own = tmp_path / "own"
     own.mkdir()
     own.chmod(0o775)
-    if segments._private_group(os.getgid()):
+    if sockets._private_group(os.getgid()):
         with Recorder(HistoryStore(), own):
             pass
     if os.geteuid() == 0:

@@ -7,6 +7,7 @@ functions pick the newest run by default, any run by id, or all of them.
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -159,8 +160,8 @@ def test_a_real_torchrun_launch_is_one_run(server: thing.Server, tmp_path: Path,
     job.write_text("import os, thing\n"
                    "for step in range(3):\n"
                    "    assert thing.catch(float(step), name='loss').wait(30)\n")
-    entry = (["--no-python", "sh", "-c", f"{sys.executable} {job}; true"] if wrapped
-             else [str(job)])
+    entry = (["--no-python", "sh", "-c", f"{shlex.quote(sys.executable)} {shlex.quote(str(job))}"
+              "; true"] if wrapped else [str(job)])
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                     "--master_port", str(free_port()), *entry],
                    env=script_env(server.port), check=True, capture_output=True, timeout=120)

@@ -528,7 +528,8 @@ def finish(spec: LeafSpec, received: np.ndarray) -> Any:
             if received.ctypes.data % received.itemsize:
                 # torch takes its elements to lie at multiples of their size, complex128's
                 # at 16 bytes, and crashes the process where they do not: a recording
-                # aligns arrays to 8 bytes at most (a copy is aligned).
+                # aligns arrays to 8 bytes at most. A copy is aligned (and the value's own:
+                # a change to it in place does not reach what save() writes).
                 received = received.copy()
             return torch.from_numpy(received).view(_torch_dtype(torch, spec.dtype))
     array = _as_numpy_dtype(spec.dtype, received)

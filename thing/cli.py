@@ -143,18 +143,17 @@ def serve_interactively(port: int | None = None, host: str | None = None, *,
         print(f"thing: {exc}", file=sys.stderr)
         return 1
     where = f"thing is receiving at {server.host}:{server.port}"
+    stopper = None
     if record is not None:
         where += f", recording into {record[0]}"
-        _on_stop_signals(lambda signum: stopping.append(_close_elsewhere_and_exit(server,
-                                                                                   signum)))
-    stopping: list[threading.Thread] = []
+        stopper = _StopElsewhere(server)
     try:
         _interact(f"{where}; `thing` is imported. Try:", plain)
         return 0
     finally:
         server.close()
-        for thread in stopping:  # a stop signal's: it ends the process, with the signal's code
-            thread.join()
+        if stopper is not None:
+            stopper.finish()
 
 
 def open_interactively(directory: str, *, plain: bool = False, skip_damaged: bool = False
@@ -262,25 +261,41 @@ def _close_undisturbed(server: Any) -> None:
     server.close()
 
 
-def _close_elsewhere_and_exit(server: Any, signum: int) -> threading.Thread:
-    """From a stop signal's handler in an interactive session: close ``server`` (writing
-    its recording's open segment) on a thread of its own, then end the process.
+class _StopElsewhere:
+    """In an interactive session: on SIGTERM or SIGHUP, close ``server`` (writing its
+    recording's open segment) on a thread of its own, then end the process.
 
-    Not in the handler itself: it interrupts the session's own code wherever it is, and
+    Not in the signal's handler: it interrupts the session's own code wherever it is, and
     that may be inside the server (a ``close()`` the user typed holds the lock a close
-    takes: the handler waited for it for good, the stop signals ignored) or its store.
+    takes: the handler waited for it for good, the stop signals ignored), its store, or
+    the making of a thread. So the thread is started now, and the handler only wakes it.
     """
-    _ignore_stop_signals()
 
-    def close_and_exit() -> None:
+    def __init__(self, server: Any):
+        self._asked = threading.Event()
+        self._signal = 0
+        self._thread = threading.Thread(target=self._close_and_exit, args=(server,),
+                                        name="thing-stop", daemon=True)
+        self._thread.start()
+        _on_stop_signals(self._ask)
+
+    def _ask(self, signum: int) -> None:
+        _ignore_stop_signals()
+        self._signal = signum
+        self._asked.set()
+
+    def _close_and_exit(self, server: Any) -> None:
+        self._asked.wait()
         try:
             server.close()
         finally:
-            os._exit(128 + signum)
+            os._exit(128 + self._signal)
 
-    thread = threading.Thread(target=close_and_exit, name="thing-stop", daemon=True)
-    thread.start()
-    return thread
+    def finish(self) -> None:
+        """At the session's end: after a stop signal, wait for its close, which ends the
+        process with the signal's code."""
+        if self._asked.is_set():
+            self._thread.join()
 
 
 def _ignore_stop_signals() -> None:

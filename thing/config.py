@@ -198,14 +198,12 @@ def transport() -> str:
 
 
 def max_mappings() -> int:
-    """Shared-memory captures a server keeps mapped, for all its clients together, and
-    recording files a process keeps mapped, for all its loads (``THING_MAX_MAPPINGS``, 1024
-    each).
+    """Shared-memory captures a server keeps mapped, for all its clients together
+    (``THING_MAX_MAPPINGS``, 1024).
 
     Each mapping takes one of the process's map entries (``vm.max_map_count``,
     often 65530); beyond this, shared-memory captures are copied into ordinary
-    memory as they arrive, as if they had come inline, and a recording's files
-    as they are loaded.
+    memory as they arrive, as if they had come inline.
     """
     return _env_int("THING_MAX_MAPPINGS", 1024)
 

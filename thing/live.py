@@ -114,7 +114,7 @@ def view(store: HistoryStore, info: ServerInfo, rows: int, width: int | None = N
 
 
 def _steering_line(info: ServerInfo) -> str:
-    """What the REPL set for the running jobs (empty if nothing), and which refuse it."""
+    """What the REPL set for the running jobs (empty if nothing), and how many refuse it."""
     if not info.steering:
         return ""
     refusing = (f" ({counted(info.refusing, 'connected job')} refuse"

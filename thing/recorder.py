@@ -38,6 +38,7 @@ from .errors import ArgumentError, ThingError
 from .log import log
 from .recording import (
     MAX_SEGMENT_NUMBER,
+    NEW_DIRECTORY_MODE,
     PathLike,
     lock_for_writing,
     recover_staged,
@@ -138,7 +139,7 @@ class Recorder:
         """Take the directory (creating it), then record every capture stored from now on."""
         if self._thread is not None:
             return self
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=NEW_DIRECTORY_MODE, parents=True, exist_ok=True)
         lock = lock_for_writing(self.directory)
         try:
             recover_staged(self.directory)  # what a crashed writer left

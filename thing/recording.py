@@ -16,7 +16,6 @@ import os
 import re
 import secrets
 import shutil
-import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Union
@@ -32,14 +31,18 @@ from .segments import (
     clear_staging,
     flush_names,
     flush_to_disk,
-    mine_alone,
     read_segment,
     staging_directory,
     write_segment,
 )
+from .sockets import mine_alone
 from .store import ALL_RUNS, HistoryStore
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+# What a directory thing makes for a recording may be: readable by all, writable by its
+# user alone, whatever the umask (002 would let a group in, which the writer lock refuses).
+NEW_DIRECTORY_MODE = 0o755
 SEGMENT_NAME = re.compile(r"segment-(\d{6,18})\.safetensors")
 MAX_SEGMENT_NUMBER = 10**18  # the first that SEGMENT_NAME does not match
 SAVE_SEGMENT_BYTES = 1 << 30  # save() starts a new file after this many bytes of arrays
@@ -76,7 +79,7 @@ def recover_staged(directory: Path) -> None:
         if number in taken:
             continue
         try:
-            held = len(read_segment(staged).captures)
+            held = len(read_segment(staged, keep=False).captures)
             flush_to_disk(staged)
         except (BadRecording, OSError):
             continue  # cut short, or unreadable: deleted below
@@ -100,14 +103,14 @@ def lock_for_writing(directory: Path) -> int:
     into an existing directory while it saves (released when the descriptor closes);
     ThingError if another holds it, if the directory is another user's or others may write
     to it (they could put segments of their own among ours, or take ours away), or if it is
-    another user's symbolic link (to where they would have us write, and delete)."""
-    link = os.lstat(directory)
-    if stat.S_ISLNK(link.st_mode) and link.st_uid != os.getuid():
-        raise ThingError(f"{directory} is a symbolic link another user made; record or save "
-                         "into a directory of your own")
+    another user's symbolic link (to where they would have us write, and delete; one an
+    administrator made, as root, is followed)."""
+    if os.lstat(directory).st_uid not in (os.getuid(), 0):  # in one look: no swap after it
+        raise ThingError(f"{directory} is another user's (or a symbolic link another user "
+                         "made); record or save into a directory of your own")
     if not mine_alone(os.stat(directory)):
         raise ThingError(f"{directory} is another user's, or others may write to it; record "
-                         "or save into a directory of your own")
+                         f"or save into a directory of your own (or chmod go-w {directory})")
     # O_NOFOLLOW: the lock is the recording's own file, never a link to elsewhere.
     descriptor = os.open(directory / WRITER_LOCK,
                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -137,7 +140,7 @@ def save(store: HistoryStore, path: PathLike, names: str | Iterable[str] | None 
         return len(captures)
     directory.parent.mkdir(parents=True, exist_ok=True)
     unfinished = directory.parent / f".{directory.name}.saving-{secrets.token_hex(6)}"
-    unfinished.mkdir()
+    unfinished.mkdir(mode=NEW_DIRECTORY_MODE)
     try:
         _write(captures, unfinished)
         try:
@@ -243,8 +246,9 @@ def load(path: PathLike, store: HistoryStore, skip_damaged: bool = False) -> int
     known_headers = KnownHeaders()
     segments = segments_of(directory)
     for _, segment_file in reversed(segments):
+        keeping = held < store.max_bytes
         try:
-            segment = read_segment(segment_file, known_headers)
+            segment = read_segment(segment_file, known_headers, keeping)
         except FileNotFoundError:
             log.info("%s was removed while it was being loaded; skipped", segment_file)
             continue
@@ -262,7 +266,7 @@ def load(path: PathLike, store: HistoryStore, skip_damaged: bool = False) -> int
             if reason not in dropped and len(dropped) >= MAX_DROPPED_REASONS:
                 reason = "other reasons"
             dropped[reason] = dropped.get(reason, 0) + count
-        if held < store.max_bytes:
+        if keeping:
             kept.append(segment)
             held += sum(entry.charge for entry in segment.captures)
         else:

@@ -43,6 +43,7 @@ from .errors import BadRecording, ProtocolError
 from .known_headers import KnownHeader
 from .log import log
 from .run_names import MAX_RUN_NAME
+from .sockets import mine_alone
 
 FORMAT = "thing-history"
 FORMAT_VERSION = 1
@@ -156,27 +157,6 @@ def write_unflushed(path: Path, captures: Sequence[Capture],
     return temporary, len(records)
 
 
-def mine_alone(info: os.stat_result) -> bool:
-    """Whether a file (or directory) of this status is this user's, and no other user may
-    write to it: not anyone, nor a group, unless that group is the user's own private one
-    (named after them, with no other members: where the umask is 002, as on Ubuntu, every
-    file a user makes is writable by it)."""
-    if info.st_uid != os.getuid() or info.st_mode & stat.S_IWOTH:
-        return False
-    return not info.st_mode & stat.S_IWGRP or _private_group(info.st_gid)
-
-
-def _private_group(gid: int) -> bool:
-    import grp
-    import pwd
-
-    try:
-        user, group = pwd.getpwuid(os.getuid()).pw_name, grp.getgrgid(gid)
-    except KeyError:  # a user or group the system cannot name
-        return False
-    return gid == os.getgid() and group.gr_name == user and set(group.gr_mem) <= {user}
-
-
 def staging_directory(directory: Path) -> Path:
     """``directory``'s staging folder, made if missing. ``OSError`` if it is anything but
     a real directory of this user: a link there (a recording unpacked from someone's
@@ -288,16 +268,19 @@ MAX_KNOWN_HEADERS = 4096
 MAX_COPIED_BYTES = 1 << 20
 
 
-_mappings: shm.Mappings | None = None
+def _map_entries() -> int:
+    """The map entries a process may hold (``vm.max_map_count``; Linux's default where the
+    system does not say)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return int(limit.read())
+    except (OSError, ValueError):
+        return 65530
 
 
-def _kept_mappings() -> shm.Mappings:
-    """The recording files this process keeps mapped, for all its loads together, at most
-    ``THING_MAX_MAPPINGS`` (each takes one of its map entries, often 65,530 in all)."""
-    global _mappings
-    if _mappings is None:
-        _mappings = shm.Mappings(config.max_mappings())
-    return _mappings
+# The recording files this process keeps mapped, for all its loads together: a quarter of
+# its map entries (16,382 files by default), the rest left to the process itself.
+MAPPED_SEGMENTS = shm.Mappings(_map_entries() // 4)
 
 
 class KnownHeaders:
@@ -318,20 +301,22 @@ class KnownHeaders:
                                        Sender(address, hostname, pid, run=run))
 
 
-def read_segment(path: Path, known_headers: KnownHeaders | None = None) -> Segment:
+def read_segment(path: Path, known_headers: KnownHeaders | None = None,
+                 keep: bool = True) -> Segment:
     """Read and check a whole segment; raise :class:`BadRecording` if anything is wrong.
 
     Nothing in the file is executed or trusted: every offset is checked against
     the file's size, every capture's header is validated as a frame's is. The
     arrays returned are the file itself, mapped copy-on-write (writing to one
     changes this process's copy only), or a copy, charged to the store as a
-    received capture's arrays are: for a segment of less than MAX_COPIED_BYTES
-    of arrays, a file another user may change (theirs, or writable by others),
-    or one past the ``THING_MAX_MAPPINGS`` files this process keeps mapped.
-    ``known_headers`` carries what was validated from one segment to the next.
+    received capture's arrays are: for a file another user may change (theirs,
+    or writable by others) and, if the captures are to be kept (``keep``), a
+    segment of less than MAX_COPIED_BYTES of arrays or one past the
+    ``MAPPED_SEGMENTS`` this process keeps mapped. ``known_headers`` carries
+    what was validated from one segment to the next.
     """
     try:
-        return _read(path, KnownHeaders() if known_headers is None else known_headers)
+        return _read(path, KnownHeaders() if known_headers is None else known_headers, keep)
     except ProtocolError as exc:  # a capture header, as the wire's validation found it
         raise BadRecording(f"{path}: {exc}") from None
 
@@ -352,7 +337,7 @@ def _read_at(descriptor: int, offset: int, size: int, path: Path) -> bytearray:
     return data
 
 
-def _read(path: Path, known_headers: KnownHeaders) -> Segment:
+def _read(path: Path, known_headers: KnownHeaders, keep: bool) -> Segment:
     try:
         # O_NOFOLLOW: a recording's files are its own, never links to elsewhere. O_NONBLOCK:
         # opening a FIFO put in its place would otherwise wait for a writer, forever.
@@ -398,13 +383,16 @@ def _read(path: Path, known_headers: KnownHeaders) -> Segment:
             mapped, data_start = _read_at(descriptor, data_start, size - data_start, path), 0
     finally:
         os.close(descriptor)
-    copied = bool(foreign)
-    if not copied:
+    if foreign:
+        copied = True
+    else:
         base = np.frombuffer(mapped, np.uint8)  # every array views it: counted while it lives
-        # Copied out, the mapping going with this function's end: a small segment, or one
-        # past this process's count of kept mappings (a recording crafted of many files
-        # would take every map entry; a copy is charged to the history's cap instead).
-        copied = size - data_start < MAX_COPIED_BYTES or not _kept_mappings().keep(base)
+        # Kept, a small segment is copied out (the mapping goes with this function's end),
+        # and so is one past the mappings this process keeps (a recording crafted of many
+        # files would take every map entry): a copy is charged to the history's cap. One
+        # only checked is read through a mapping that goes with it.
+        copied = keep and (size - data_start < MAX_COPIED_BYTES
+                           or not MAPPED_SEGMENTS.keep(base))
         mapped = bytearray(base[data_start:]) if copied else base
         data_start = 0 if copied else data_start
     # As a server would take them, and as large as they are (this server may take less).

@@ -43,6 +43,31 @@ def home_directory() -> Path | None:
         return None
 
 
+def mine_alone(info: os.stat_result) -> bool:
+    """Whether a file (or directory) of this status is this user's, and no other user may
+    write to it: not anyone, nor a group, unless that group is the user's own private one
+    (where the umask is 002, as on Ubuntu, every file a user makes is writable by it)."""
+    if info.st_uid != os.getuid() or info.st_mode & stat.S_IWOTH:
+        return False
+    return not info.st_mode & stat.S_IWGRP or _private_group(info.st_gid)
+
+
+@functools.lru_cache(maxsize=16)
+def _private_group(gid: int) -> bool:
+    """Whether ``gid`` is this user's primary group, named after them, that no other user
+    is in (as a member, or as their own primary group)."""
+    import grp
+    import pwd
+
+    try:
+        user, group = pwd.getpwuid(os.getuid()).pw_name, grp.getgrgid(gid)
+    except KeyError:  # a user or group the system cannot name
+        return False
+    return (gid == os.getgid() and group.gr_name == user and set(group.gr_mem) <= {user}
+            and not any(entry.pw_gid == gid and entry.pw_name != user
+                        for entry in pwd.getpwall()))
+
+
 def runtime_directory() -> Path | None:
     """thing's directory under ``$XDG_RUNTIME_DIR``, the user's own by design; None where
     that is not set, or names no directory of this user's that only they may write to.
@@ -56,8 +81,7 @@ def runtime_directory() -> Path | None:
         info = os.stat(runtime) if runtime else None
     except OSError:
         return None
-    if (info is None or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()
-            or info.st_mode & 0o022):
+    if info is None or not stat.S_ISDIR(info.st_mode) or not mine_alone(info):
         return None
     return Path(runtime) / "thing"
 

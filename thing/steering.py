@@ -53,6 +53,7 @@ class Steering:
         self._told: OrderedDict[tuple[str, int, Optional[str]], int] = OrderedDict()
         # Connected jobs that refuse steering (control=False, THING_CONTROL=0): told nothing.
         self._refusing: set[Connection] = set()
+        self._refusing_said = 0  # how many the REPL was last warned of (not at every call)
 
     def attach(self, connection: Connection) -> None:
         """Start steering a client that has just connected: what is in force, after a
@@ -108,7 +109,8 @@ class Steering:
                     self._remember(connection)
                     sent += 1
             refusing = len(self._refusing)
-        if refusing:
+            warn, self._refusing_said = refusing != self._refusing_said, refusing
+        if warn and refusing:
             log.warning("%s refuse%s steering (control=False or THING_CONTROL=0 there): not "
                         "told", counted(refusing, "connected job"), "s" if refusing == 1 else "")
         return sent
