@@ -29,7 +29,6 @@ from .display import (
     Column,
     Report,
     Table,
-    counted,
     elide,
     in_notebook,
     print_drawing,
@@ -38,6 +37,7 @@ from .display import (
 )
 from .log import log
 from .reports import bytes_text, clock, flag, number, rank_text, row_kind, sender_text
+from .steering import refusing_steering
 from .store import HistoryStore
 
 if TYPE_CHECKING:
@@ -117,8 +117,7 @@ def _steering_line(info: ServerInfo) -> str:
     """What the REPL set for the running jobs (empty if nothing), and how many refuse it."""
     if not info.steering:
         return ""
-    refusing = (f" ({counted(info.refusing, 'connected job')} refuse"
-                f"{'s' if info.refusing == 1 else ''} steering)" if info.refusing else "")
+    refusing = f" ({refusing_steering(info.refusing)})" if info.refusing else ""
     return "steering: " + "; ".join(map(str, info.steering)) + refusing
 
 

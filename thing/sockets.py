@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import grp
 import ipaddress
 import os
+import pwd
 import select
 import socket
 import stat
@@ -56,9 +58,6 @@ def mine_alone(info: os.stat_result) -> bool:
 def _private_group(gid: int) -> bool:
     """Whether ``gid`` is this user's primary group, named after them, that no other user
     is in (as a member, or as their own primary group)."""
-    import grp
-    import pwd
-
     try:
         user, group = pwd.getpwuid(os.getuid()).pw_name, grp.getgrgid(gid)
     except KeyError:  # a user or group the system cannot name

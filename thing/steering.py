@@ -111,8 +111,8 @@ class Steering:
             refusing = len(self._refusing)
             warn, self._refusing_said = refusing != self._refusing_said, refusing
         if warn and refusing:
-            log.warning("%s refuse%s steering (control=False or THING_CONTROL=0 there): not "
-                        "told", counted(refusing, "connected job"), "s" if refusing == 1 else "")
+            log.warning("%s (control=False or THING_CONTROL=0 there): not told",
+                        refusing_steering(refusing))
         return sent
 
     @property
@@ -153,6 +153,11 @@ class Steering:
         self._connections.discard(connection)
         shutdown(connection.sock)
         return False
+
+
+def refusing_steering(count: int) -> str:
+    """``count`` connected jobs refuse steering, in words."""
+    return f"{counted(count, 'connected job')} refuse{'s' if count == 1 else ''} steering"
 
 
 def _job(connection: Connection) -> tuple[str, int, Optional[str]]:
