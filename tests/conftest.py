@@ -33,7 +33,8 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     """
     if request.param == "python":
         for module in (thing.channel, thing.receiver, thing.stream, thing.wire):
-            for name in ("send_buffers", "recv_buffers", "recv_some", "split_small_frames",
+            for name in ("send_buffers", "send_snapshots", "recv_buffers", "recv_some",
+                         "split_small_frames",
                          "split_stored_acks", "wake"):
                 if hasattr(module, name):
                     monkeypatch.setattr(module, name, getattr(fallback, name))

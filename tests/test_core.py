@@ -23,8 +23,14 @@ import pytest
 
 import thing
 import thing._core
+from thing import wire
 from thing._core import _transport, fallback
+from thing.arrays import leaf_bytes
+from thing.frames import Headers, Pending, new_pending
+from thing.handles import CaptureHandle
+from thing.names import CallSite
 from thing.sockets import set_timeouts
+from thing.value_trees import take_apart
 
 from .conftest import run_script
 
@@ -400,6 +406,104 @@ def test_exception_from_signal_handler_escapes_a_blocked_receive(core, pair) -> 
         helper.result()
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+# -- a run of small frames -------------------------------------------------------------
+
+
+def _pending(seq: int, value: Any, name: str = "x", *, snapshot: bool = True, notice: Any = None,
+             call: int = 1, step: int | None = None) -> tuple[int, Pending]:
+    """A (seq, Pending) pair as the channel queues it: taken apart and snapshotted at the call
+    (or, ``snapshot=False``, read in place by the sender)."""
+    payload = take_apart(value)
+    payload.hold(None if snapshot else False, 1 << 16)
+    site = CallSite("train.py", 7, "step")
+    return seq, new_pending(Pending, (name, payload, site, 1.5 + seq, (0, 2), CaptureHandle(name),
+                                      notice, call, step, False))
+
+
+def _as_the_general_path_writes(batch: list[tuple[int, Pending]], headers: Headers) -> bytes:
+    """What the channel writes for each frame by itself (Channel._encode's pieces)."""
+    written = b""
+    for seq, pending in batch:
+        header = headers.encode(pending, ())
+        data = b"".join(bytes(leaf_bytes(leaf)) for leaf in pending.payload.leaves)
+        written += (wire.encode_prefix(header, pending.payload.nbytes, seq, pending.caught_at,
+                                       call=pending.call, step=pending.step)
+                    + header + data + wire.encode_trailer(False))
+    return written
+
+
+def _received(sock: socket.socket, nbytes: int) -> bytes:
+    data = bytearray(nbytes)
+    assert thing._core.recv_buffers(sock, [data]) == nbytes
+    _assert_nothing_pending(sock)
+    return bytes(data)
+
+
+def test_a_run_of_snapshots_is_sent_as_the_general_path_writes_it(core, pair) -> None:
+    left, right = pair
+    # Equal trees that are other JSON (1, True, 1.0), arrays of other layouts, several
+    # arrays in one capture, other names, steps and call numbers, an empty array.
+    values = [np.arange(4, dtype=np.float32), np.arange(4, dtype=np.float32) * 2, 1, True, 1.0,
+              1, np.arange(6, dtype=np.int64).reshape(2, 3), {"w": np.ones(3), "b": np.zeros(2)},
+              np.zeros(0, dtype=np.float16), "text", [np.ones(2)] * 8]
+    names = ["a", "a", "a", "a", "b", "a", "c", "c", "a", "b", "b"]
+
+    def queued() -> list[tuple[int, Pending]]:
+        return [_pending(seq, value, name=names[seq], call=seq + 1, step=seq * 10 or None)
+                for seq, value in enumerate(values)]
+
+    batch = queued()
+    expected = _as_the_general_path_writes(queued(), Headers())
+    headers, asked = Headers(), []
+
+    def header_of(pending: Pending) -> bytes:
+        asked.append(pending)
+        return headers.encode(pending, ())
+
+    end = core.send_snapshots(left, batch, 0, len(batch), 1 << 16, header_of,
+                              wire.encode_trailer(False))
+    assert end == len(batch)
+    assert _received(right, len(expected)) == expected
+    assert all(not pending.payload.leaves for _, pending in batch)  # let go once sent
+    assert len(asked) < len(batch)  # the second array's header was the first's
+
+
+@pytest.mark.parametrize("odd_one", ["notice", "large", "in place", "many arrays",
+                                     "header fails", "call too large"])
+def test_a_run_of_snapshots_stops_before_the_first_frame_that_is_not_one(core, pair,
+                                                                         odd_one: str) -> None:
+    left, right = pair
+    value = np.arange(4, dtype=np.float32)
+    batch = [_pending(seq, value) for seq in range(3)]
+    odd = {
+        "notice": lambda: _pending(3, None, notice={"unsent": {"type": "x", "reason": "y"}}),
+        "large": lambda: _pending(3, np.zeros(1 << 14, dtype=np.float32)),
+        "in place": lambda: _pending(3, value, snapshot=False),
+        "many arrays": lambda: _pending(3, [value] * 9),
+        "header fails": lambda: _pending(3, value, name="fails"),
+        "call too large": lambda: _pending(3, value, call=1 << 64),
+    }[odd_one]()
+    batch += [odd, _pending(4, value)]
+    headers = Headers()
+
+    def header_of(pending: Pending) -> bytes:
+        if pending.name == "fails":
+            raise ValueError("cannot encode it")
+        return headers.encode(pending, ())
+
+    expected = _as_the_general_path_writes([_pending(seq, value) for seq in range(3)], Headers())
+    end = core.send_snapshots(left, batch, 0, len(batch), 1 << 16, header_of,
+                              wire.encode_trailer(False))
+    assert end == 3
+    assert _received(right, len(expected)) == expected
+    assert [bool(pending.payload.leaves) for _, pending in batch] == [
+        False, False, False, bool(odd[1].payload.leaves), True]
+    # From the odd one on, nothing: the caller sends it the general way.
+    assert core.send_snapshots(left, batch, 3, len(batch), 1 << 16, header_of,
+                               wire.encode_trailer(False)) == 3
+    _assert_nothing_pending(right)
 
 
 # -- which core a normal install uses ------------------------------------------------

@@ -42,6 +42,32 @@ def test_a_small_array_changed_in_place_arrives_as_it_was_at_each_call(
     assert all(capture.consistent for capture in server.store.get_all("a"))
 
 
+def test_values_sent_together_each_arrive_as_their_own_type(backend: str,
+                                                           server: thing.Server) -> None:
+    """Frames of one name that follow each other in a batch share a header only where it
+    is the same: 1, True and 1.0 are equal in Python, and other JSON."""
+    run_script(
+        """
+        import numpy as np, thing
+        values = [np.arange(4, dtype=np.float32), 1, True, 1.0, 1, np.arange(3), "1", [1],
+                  {"a": 1}, np.arange(4, dtype=np.float32), False, 0, 0.0, None]
+        handles = [thing.catch(value, name="mixed", block=True) for value in values * 40]
+        assert all(h.wait(30) for h in handles), [h.error for h in handles if h.id is None][:3]
+        """,
+        server.port,
+    )
+    values = [np.arange(4, dtype=np.float32), 1, True, 1.0, 1, np.arange(3), "1", [1],
+              {"a": 1}, np.arange(4, dtype=np.float32), False, 0, 0.0, None] * 40
+    received = server.get_all("mixed")
+    assert len(received) == len(values)
+    for i, (got, sent) in enumerate(zip(received, values)):
+        assert type(got) is type(sent), f"capture {i}: {got!r} for {sent!r}"
+        if isinstance(sent, np.ndarray):
+            assert got.dtype == sent.dtype and got.tobytes() == sent.tobytes(), f"capture {i}"
+        else:
+            assert got == sent, f"capture {i}"
+
+
 def test_a_small_tensor_changed_in_place_arrives_as_it_was_at_each_call(
         server: thing.Server) -> None:
     """A small CPU tensor is copied at the call: a plain one from its data pointer (a

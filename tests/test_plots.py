@@ -391,6 +391,22 @@ HARD_CASES = """
 """
 
 
+@pytest.mark.parametrize("uniplot", [True, False])
+def test_a_long_names_note_keeps_where_its_first_nan_was(monkeypatch, uniplot: bool) -> None:
+    """A transformer parameter's name filled the note's line, and the step was cut off."""
+    name = "model.layers.11.self_attn.q_proj.weight"
+    store = HistoryStore()
+    for step in range(1, 300):
+        store.add(name, math.nan if step == 123 else 1.0 / step, (), 0, Sender("a:1"), call=step)
+    if not uniplot:
+        monkeypatch.setattr(plot_drawing, "_has", lambda module: module != "uniplot")
+    drawn = plot_drawing.text(chart(store, name), 80, 24).splitlines()
+    assert all(len(line) <= 80 for line in drawn)
+    note = " ".join(line.strip() for line in drawn[drawn.index(next(
+        line for line in drawn if line.startswith(f"{name}: NaN"))):])
+    assert note == f"{name}: NaN or Inf in 1 of 299 captures, the first at step 123"
+
+
 def test_a_sparkline_gives_the_last_value_as_it_is(monkeypatch) -> None:
     """Without uniplot: a loss that went NaN last was said to be its last finite value."""
     store = HistoryStore()

@@ -34,7 +34,7 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from . import auth, config, frames, shm, wire
-from ._core import send_buffers, wake
+from ._core import send_buffers, send_snapshots, wake
 from .answers import Acknowledgement, Answers
 from .arrays import leaf_bytes, torn
 from .dial import TRANSPORT_NAMES, dial
@@ -683,18 +683,34 @@ class Channel:
         alone = min(wire.SMALL_BYTES, config.shm_threshold() if self.transport == "shm"
                     else wire.SMALL_BYTES)
         whole = wire.encode_trailer(False)
+        headers = self._headers
+
+        def header_of(pending: Pending) -> bytes:
+            return headers.encode(pending, undelivered)
+
+        index = 0
         try:
-            for index, (seq, pending) in enumerate(batch):
+            while index < len(batch):
+                if mac is None and not together:
+                    # A run of snapshots (a flood's every frame) goes in one call to the core.
+                    sent_through = send_snapshots(sock, batch, index, index + COALESCE, alone,
+                                                  header_of, whole)
+                    if sent_through > index:
+                        give_back(sent_through)
+                        index = sent_through
+                        continue
+                seq, pending = batch[index]
+                index += 1
                 payload = pending.payload
                 if pending.notice is not None and not (
                         self._steered if "on_demand" in pending.notice else self._notices):
                     self._finish(seq, None, "not sent: this server takes no notices", None)
                     continue
                 if payload.nbytes >= alone or frames.read_in_place(payload):
-                    flush(index)
+                    flush(index - 1)
                     if self._send(sock, mac, seq, pending, undelivered):
                         answered_for.add(seq)
-                    give_back(index + 1)
+                    give_back(index)
                     continue
                 frame = self._encode(seq, pending, undelivered)
                 if frame is not None:
@@ -704,7 +720,7 @@ class Channel:
                                  else frames.trailer(mac, prefix, header, False)]
                     sent.append(payload)
                 if len(sent) >= COALESCE:
-                    flush(index + 1)
+                    flush(index)
             flush(len(batch))
         finally:  # the connection failed mid-batch: what was not sent is lost, memory and room
             for _, pending in batch[held:]:

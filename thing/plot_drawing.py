@@ -35,7 +35,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import live
-from .display import elide, in_notebook, print_drawing, say, say_once, terminal_width
+from .display import elide, in_notebook, print_drawing, say, say_once, terminal_width, wrap
 from .errors import ArgumentError, ThingError
 from .log import log
 from .plot_series import AUTO, DEFAULT_BINS, Chart, Histogram, Names, chart, histogram
@@ -220,7 +220,7 @@ def text(drawing: Drawing, width: int = 80, height: int = 24, color: bool = Fals
     if not _has("uniplot"):
         say_once(INSTALL_HINT)
         return _sparklines(drawing, width)
-    notes = [elide(note, width) for note in drawing.notes]
+    notes = _notes(drawing, width)
     try:
         if isinstance(drawing, Histogram):
             # A staircase over the bin edges: each count held flat across its bin.
@@ -317,6 +317,12 @@ def sparkline(values: np.ndarray, width: int) -> str:
     return "".join(bars)
 
 
+def _notes(drawing: Drawing, width: int) -> list[str]:
+    """The notes under a text plot, wrapped, never cut: where the first NaN was is what
+    a note is for, and a long parameter name must not push it off the line."""
+    return [line for note in drawing.notes for line in wrap(note, width, indent="  ", first="")]
+
+
 def _sparklines(drawing: Drawing, width: int) -> str:
     if isinstance(drawing, Histogram):
         lines = [drawing.title]
@@ -325,7 +331,7 @@ def _sparklines(drawing: Drawing, width: int) -> str:
         for edge, count in zip(edges, drawing.counts):
             bar = "█" * int(round(count / most * max(width - 24, 5)))
             lines.append(f"{edge:>10} {bar} {count}")
-        return "\n".join([*lines, *(elide(note, width) for note in drawing.notes)])
+        return "\n".join([*lines, *_notes(drawing, width)])
     lines = [f"{drawing.title} over steps"]
     for panel in drawing.panels:
         for series in panel.series:
@@ -343,7 +349,7 @@ def _sparklines(drawing: Drawing, width: int) -> str:
                                         else "no finite values")
             lines.append(elide(f"{elide(label, 24, 'middle')}  "
                                f"{sparkline(series.values, max(width - 60, 8))}  {span}", width))
-    return "\n".join([*lines, *(elide(note, width) for note in drawing.notes)])
+    return "\n".join([*lines, *_notes(drawing, width)])
 
 
 # -- live ----------------------------------------------------------------------------------

@@ -250,7 +250,7 @@ def plot(names: str | list[str], stat: str | list[str] = "auto", rank: int | str
 def hist(name_or_id: str | int, index: int = 0, rank: int | None = None, *,
          step: int | None = None, run: str | None = None, bins: int = 50,
          file: str | os.PathLike[str] | None = None) -> None:
-    """Plot the distribution of one capture's values in ``bins`` equal bins from min to max.
+    """Plot the distribution of one capture's values in equal bins (``bins``, 50) from min to max.
 
     The capture is chosen as in :func:`get` (the newest by default; ``index``,
     ``rank``, ``step``, ``run``). NaN and Inf are counted apart; complex

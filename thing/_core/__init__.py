@@ -15,7 +15,8 @@ import os
 
 # What both cores provide, and this package takes from the one it chose.
 _MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "bytes_at", "map_file",
-           "recv_buffers", "recv_some", "send_buffers", "split_small_frames", "split_stored_acks",
+           "recv_buffers", "recv_some", "send_buffers", "send_snapshots", "split_small_frames",
+           "split_stored_acks",
            "untrack", "wake")
 _THROTTLES = ("Throttle", "Throttles", "gated")
 
@@ -100,6 +101,7 @@ map_file = _movers.map_file
 recv_buffers = _movers.recv_buffers
 recv_some = _movers.recv_some
 send_buffers = _movers.send_buffers
+send_snapshots = _movers.send_snapshots
 split_small_frames = _movers.split_small_frames
 split_stored_acks = _movers.split_stored_acks
 untrack = _movers.untrack

@@ -9,6 +9,8 @@ holds the GIL never slows a transfer down chunk by chunk.
 The socket must be in blocking mode; timeouts come from ``SO_SNDTIMEO`` /
 ``SO_RCVTIMEO`` and surface as ``TimeoutError``.
 
+``send_snapshots`` writes a run of small frames whose arrays were copied at the
+call and sends them in one call: a client's share of a flood of small captures.
 ``split_stored_acks`` splits a burst of the server's "stored" acknowledgements,
 and ``split_small_frames`` a run of a client's small frames, in one call each,
 on the bytes one receive brought: reading many small messages per system call.
@@ -31,6 +33,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
+from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.errno cimport EAGAIN, ECONNRESET, EINTR, EMSGSIZE, errno
 from libc.limits cimport LLONG_MIN
 from libc.stdint cimport uint64_t
@@ -128,15 +131,35 @@ cdef ssize_t _transfer(int fd, iovec *iov, Py_ssize_t count, bint sending,
     return 0
 
 
+cdef size_t _move(int fd, iovec *iov, Py_ssize_t count, bint sending,
+                  size_t total) except? 0:
+    """Move the ``total`` bytes of ``iov`` with the GIL released; raise as the movers do."""
+    cdef size_t done = 0
+    cdef ssize_t status
+    cdef int error = 0
+    while True:
+        with nogil:
+            status = _transfer(fd, iov, count, sending, &done, &error)
+        if status == 1:
+            raise ConnectionResetError(
+                ECONNRESET, f"peer closed the connection after {done} of {total} bytes")
+        if status == 0:
+            return total
+        if error == EINTR:
+            # Let a pending KeyboardInterrupt out, then carry on where we were.
+            PyErr_CheckSignals()
+            continue
+        if error == EAGAIN or error == EWOULDBLOCK:
+            raise TimeoutError(error, f"timed out after {done} of {total} bytes")
+        raise OSError(error, strerror(error).decode("utf-8", "replace"))
+
+
 cdef size_t _run(sock, buffers, bint sending) except? 0:
     cdef int fd = sock.fileno()
     cdef Py_ssize_t count = len(buffers)
     cdef Py_ssize_t held = 0
     cdef Py_ssize_t i
     cdef size_t total = 0
-    cdef size_t done = 0
-    cdef ssize_t status = 0
-    cdef int error = 0
     cdef int flags = PyBUF_C_CONTIGUOUS | (0 if sending else PyBUF_WRITABLE)
     cdef Py_buffer *views = <Py_buffer *>PyMem_Malloc(max(count, 1) * sizeof(Py_buffer))
     cdef iovec *iov = <iovec *>PyMem_Malloc(max(count, 1) * sizeof(iovec))
@@ -151,21 +174,7 @@ cdef size_t _run(sock, buffers, bint sending) except? 0:
             iov[i].iov_base = views[i].buf
             iov[i].iov_len = <size_t>views[i].len
             total += <size_t>views[i].len
-        while True:
-            with nogil:
-                status = _transfer(fd, iov, count, sending, &done, &error)
-            if status == 1:
-                raise ConnectionResetError(
-                    ECONNRESET, f"peer closed the connection after {done} of {total} bytes")
-            if status == 0:
-                return total
-            if error == EINTR:
-                # Let a pending KeyboardInterrupt out, then carry on where we were.
-                PyErr_CheckSignals()
-                continue
-            if error == EAGAIN or error == EWOULDBLOCK:
-                raise TimeoutError(error, f"timed out after {done} of {total} bytes")
-            raise OSError(error, strerror(error).decode("utf-8", "replace"))
+        return _move(fd, iov, count, sending, total)
     finally:
         for i in range(held):
             PyBuffer_Release(&views[i])
@@ -387,6 +396,175 @@ def split_small_frames(buffer, Py_ssize_t limit, Py_ssize_t max_payload,
         PyBuffer_Release(&view)
 
 
+cdef enum:
+    MAX_SNAPSHOT_LEAVES = 8  # a frame of more arrays goes the general way
+    FRAME_VIEWS = 3 + MAX_SNAPSHOT_LEAVES  # prefix, header, its arrays, trailer
+
+# A frames.Pending's fields, by position (it is a named tuple).
+cdef enum:
+    PENDING_NAME = 0
+    PENDING_PAYLOAD = 1
+    PENDING_SITE = 2
+    PENDING_CAUGHT_AT = 3
+    PENDING_RANK = 4
+    PENDING_NOTICE = 6
+    PENDING_CALL = 7
+    PENDING_STEP = 8
+    PENDING_REQUESTED = 9
+    PENDING_FIELDS = 10
+
+
+cdef inline object _field(pending, Py_ssize_t i):
+    """A field of a frames.Pending (a tuple of PENDING_FIELDS, checked by the caller): read
+    directly, as a named tuple's indexing by the generic path costs a slice and a call."""
+    return <object>PyTuple_GET_ITEM(pending, i)
+
+
+cdef inline void _put_little(unsigned char *at, unsigned long long value,
+                             int size) noexcept nogil:
+    cdef int i
+    for i in range(size):
+        at[i] = <unsigned char>(value >> (8 * i))
+
+
+cdef inline unsigned long long _double_bits(double value) noexcept nogil:
+    cdef unsigned long long bits
+    memcpy(&bits, &value, sizeof(bits))
+    return bits
+
+
+cdef bint _all_snapshots(list leaves) except -1:
+    """Whether every leaf is a copy made at the call (see ``arrays.hold``): bytes, not
+    read in place."""
+    for leaf in leaves:
+        if type(leaf.source) is not bytes or leaf.version is not None:
+            return False
+    return True
+
+
+cdef bint _same_header(before, pending, list leaves) except -1:
+    """Whether ``pending``'s header is ``before``'s: the same name, site, rank, request, the
+    very same tree (an equal one may be other JSON: 1, 1.0 and True) and equal leaf specs."""
+    cdef list leaves_before = _field(before, PENDING_PAYLOAD).leaves
+    cdef Py_ssize_t i
+    if _field(before, PENDING_PAYLOAD).tree is not _field(pending, PENDING_PAYLOAD).tree:
+        return False
+    if len(leaves_before) != len(leaves):
+        return False
+    for i in (PENDING_NAME, PENDING_SITE, PENDING_RANK, PENDING_REQUESTED):
+        if _field(before, i) != _field(pending, i):
+            return False
+    for i in range(len(leaves)):
+        if leaves_before[i].spec != leaves[i].spec:
+            return False
+    return True
+
+
+def send_snapshots(sock, list batch, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t max_payload,
+                   header_of, bytes trailer) -> int:
+    """Send the frames of ``batch[start:stop]`` (``(seq, frames.Pending)`` pairs) in one
+    vectored write, up to the first that is not a plain snapshot; return its index.
+
+    A plain snapshot is a capture (not a notice) whose arrays, below ``max_payload``
+    bytes together and at most ``MAX_SNAPSHOT_LEAVES``, were all copied at the
+    call (``bytes``, not read in place). Its header is ``header_of(pending)``,
+    asked again only where it may differ from the frame before's; its trailer is
+    ``trailer``. An exception from ``header_of``, or a number that does not fit
+    the prefix, ends the run before that frame too, for the caller to read the
+    general way. Once the bytes are in the kernel, each sent frame's leaves are
+    cleared (its arrays may be freed). The sender's share of a flood of small
+    captures: prefixes written in C, no object made per frame.
+    """
+    cdef Py_ssize_t end = start
+    cdef Py_ssize_t count = 0
+    cdef Py_ssize_t frames, nleaves
+    cdef size_t total = 0
+    cdef unsigned char *prefix
+    cdef unsigned long long seq, call
+    cdef long long step
+    cdef double caught_at
+    cdef object pending, before = None
+    cdef list leaves
+    cdef bytes header = None
+    cdef bytes source
+    cdef list keep = []  # what the iovecs point into, alive while the GIL is let go
+    cdef list sent = []  # each sent frame's leaves
+    stop = min(stop, len(batch))
+    if stop <= start:
+        return start
+    frames = stop - start
+    cdef unsigned char *prefixes = <unsigned char *>PyMem_Malloc(frames * PREFIX_BYTES)
+    cdef iovec *iov = <iovec *>PyMem_Malloc(frames * FRAME_VIEWS * sizeof(iovec))
+    if prefixes == NULL or iov == NULL:
+        PyMem_Free(prefixes)
+        PyMem_Free(iov)
+        raise MemoryError()
+    try:
+        while end < stop:
+            seq_object, pending = batch[end]
+            if (not PyTuple_Check(pending) or PyTuple_GET_SIZE(pending) != PENDING_FIELDS
+                    or _field(pending, PENDING_NOTICE) is not None):
+                break
+            payload = _field(pending, PENDING_PAYLOAD)
+            leaves = payload.leaves
+            nleaves = len(leaves)
+            if payload.nbytes >= max_payload or nleaves > MAX_SNAPSHOT_LEAVES:
+                break
+            if not _all_snapshots(leaves):
+                break
+            if before is None or not _same_header(before, pending, leaves):
+                try:
+                    header = header_of(pending)
+                except Exception:
+                    break
+                keep.append(header)
+                # Python ran: what the iovecs below are counted for must still hold.
+                if len(leaves) != nleaves or not _all_snapshots(leaves):
+                    break
+            try:
+                seq = seq_object
+                caught_at = _field(pending, PENDING_CAUGHT_AT)
+                call = _field(pending, PENDING_CALL)
+                step_object = _field(pending, PENDING_STEP)
+                step = NO_STEP if step_object is None else step_object
+            except (OverflowError, TypeError):
+                break
+            prefix = prefixes + (end - start) * PREFIX_BYTES
+            prefix[0], prefix[1] = 84, 70  # "TF"
+            _put_little(prefix + 2, KIND_CAPTURE, 2)
+            _put_little(prefix + 4, len(header), 4)
+            _put_little(prefix + 8, <unsigned long long>payload.nbytes, 8)
+            _put_little(prefix + 16, seq, 8)
+            _put_little(prefix + 24, _double_bits(caught_at), 8)
+            _put_little(prefix + 32, call, 8)
+            _put_little(prefix + 40, <unsigned long long>step, 8)
+            iov[count].iov_base, iov[count].iov_len = prefix, PREFIX_BYTES
+            iov[count + 1].iov_base = <char *>header
+            iov[count + 1].iov_len = <size_t>len(header)
+            count += 2
+            total += PREFIX_BYTES + <size_t>len(header) + <size_t>len(trailer)
+            for leaf in leaves:
+                source = leaf.source
+                keep.append(source)
+                iov[count].iov_base = <char *>source
+                iov[count].iov_len = <size_t>len(source)
+                total += <size_t>len(source)
+                count += 1
+            iov[count].iov_base, iov[count].iov_len = <char *>trailer, <size_t>len(trailer)
+            count += 1
+            sent.append(leaves)
+            before = pending
+            end += 1
+        if count:
+            _move(sock.fileno(), iov, count, True, total)
+        for leaves in sent:  # the bytes are in the kernel: the arrays may be freed
+            _clear_list(leaves, 0, len(leaves), NULL)
+        return end
+    finally:
+        PyMem_Free(prefixes)
+        PyMem_Free(iov)
+
+
 def bytes_at(size_t address, Py_ssize_t nbytes):
     """A copy of the ``nbytes`` bytes of memory at ``address``, made with the GIL held.
 
@@ -426,6 +604,8 @@ def wake(int fd):
 
 
 cdef extern from "Python.h":
+    int _clear_list "PyList_SetSlice"(object items, Py_ssize_t low, Py_ssize_t high,
+                                      PyObject *empty) except -1
     int PyObject_IS_GC(PyObject *obj)
     void PyObject_GC_UnTrack(void *obj)
 

@@ -159,6 +159,63 @@ def split_small_frames(buffer: object, limit: int, max_payload: int,
     return frames
 
 
+_MAX_SNAPSHOT_LEAVES = 8
+
+
+def _all_snapshots(leaves: list) -> bool:
+    for leaf in leaves:  # noqa: SIM110 (as the compiled core's loop)
+        if type(leaf.source) is not bytes or leaf.version is not None:
+            return False
+    return True
+
+
+def _same_header(before: tuple, pending: tuple) -> bool:
+    # A frames.Pending's fields by position: name, payload, site, caught_at, rank, handle,
+    # notice, call, step, requested.
+    payload_before, payload = before[1], pending[1]
+    return (payload_before.tree is payload.tree and before[0] == pending[0]
+            and before[2] == pending[2] and before[4] == pending[4] and before[9] == pending[9]
+            and [leaf.spec for leaf in payload_before.leaves]
+            == [leaf.spec for leaf in payload.leaves])
+
+
+def send_snapshots(sock: socket.socket, batch: list, start: int, stop: int, max_payload: int,
+                   header_of: Any, trailer: bytes) -> int:
+    """Send the frames of ``batch[start:stop]`` in one vectored write, up to the first that
+    is not a plain snapshot; return its index (see the compiled core's)."""
+    buffers: list[Any] = []
+    sent: list[list] = []
+    before = header = None
+    end, stop = start, min(stop, len(batch))
+    while end < stop:
+        seq, pending = batch[end]
+        payload = pending[1]
+        leaves = payload.leaves
+        if (pending[6] is not None or payload.nbytes >= max_payload
+                or len(leaves) > _MAX_SNAPSHOT_LEAVES or not _all_snapshots(leaves)):
+            break
+        if before is None or not _same_header(before, pending):
+            try:
+                header = header_of(pending)
+            except Exception:
+                break
+        try:
+            prefix = _PREFIX.pack(b"TF", _KIND_CAPTURE, len(header), payload.nbytes, seq,
+                                  pending[3], pending[7],
+                                  _NO_STEP if pending[8] is None else pending[8])
+        except struct.error:
+            break
+        buffers += [prefix, header, *[leaf.source for leaf in leaves], trailer]
+        sent.append(leaves)
+        before = pending
+        end += 1
+    if buffers:
+        send_buffers(sock, buffers)
+    for leaves in sent:
+        leaves.clear()
+    return end
+
+
 def bytes_at(address: int, nbytes: int) -> bytes:
     """A copy of the ``nbytes`` bytes of memory at ``address`` (see the compiled core's)."""
     import ctypes  # only the twin needs it, and only once a tensor is snapshotted
