@@ -506,6 +506,58 @@ def test_a_run_of_snapshots_stops_before_the_first_frame_that_is_not_one(core, p
     _assert_nothing_pending(right)
 
 
+def test_code_run_mid_run_cannot_overflow_or_break_the_run(core, pair) -> None:
+    """Python runs inside a run (header_of, a float's conversion, a comparison): what it
+    does to the queued captures is looked at again before their bytes are pointed to, and
+    what it raises ends the run or fails one frame the general way, never the batch."""
+    left, right = pair
+    value = np.arange(4, dtype=np.float32)
+    trailer = wire.encode_trailer(False)
+    headers = Headers()
+    grown = _pending(0, value)[1].payload.leaves[0]
+
+    def growing(pending: Pending) -> bytes:  # adds 9 arrays to the capture it is asked for
+        pending.payload.leaves.extend([grown] * 9)
+        return headers.encode(pending, ())
+
+    batch = [_pending(0, value, name="a"), _pending(1, value, name="b")]
+    assert core.send_snapshots(left, batch, 0, 2, 1 << 16, growing, trailer) == 0
+    _assert_nothing_pending(right)
+
+    class Growing:
+        def __float__(self) -> float:
+            batch[0][1].payload.leaves.extend([grown] * 1000)
+            return 1.0
+
+    batch = [_pending(0, value)]
+    batch[0] = (0, batch[0][1]._replace(caught_at=Growing()))
+    assert core.send_snapshots(left, batch, 0, 1, 1 << 16, lambda p: headers.encode(p, ()),
+                               trailer) == 0
+    _assert_nothing_pending(right)
+
+    class Touchy:  # a rank no one can compare
+        def __eq__(self, other: object) -> bool:
+            raise ValueError("cannot compare")
+
+        __ne__ = __eq__
+        __hash__ = object.__hash__
+
+    asked = []
+    batch = [_pending(seq, value) for seq in range(3)]
+    batch = [(seq, pending._replace(rank=(Touchy(), None), name=name))
+             for (seq, pending), name in zip(batch, ["a", "a", 1])]
+
+    header = b'{"name":"a"}'  # what header_of says is sent, whatever it is
+
+    def header_of(pending: Pending) -> bytes:
+        asked.append(pending.name)
+        return header
+
+    assert core.send_snapshots(left, batch, 0, 3, 1 << 16, header_of, trailer) == 3
+    assert asked == ["a", "a", 1]  # not compared is not the same; a name not a str neither
+    _received(right, 3 * (wire.FRAME_PREFIX.size + len(header) + value.nbytes + len(trailer)))
+
+
 # -- which core a normal install uses ------------------------------------------------
 
 

@@ -173,7 +173,10 @@ def _same_header(before: tuple, pending: tuple) -> bool:
     # A frames.Pending's fields by position: name, payload, site, caught_at, rank, handle,
     # notice, call, step, requested.
     payload_before, payload = before[1], pending[1]
-    return (payload_before.tree is payload.tree and before[0] == pending[0]
+    name_before, name = before[0], pending[0]
+    return ((name is name_before or (type(name) is str and type(name_before) is str
+                                     and name == name_before))
+            and payload_before.tree is payload.tree
             and before[2] == pending[2] and before[4] == pending[4] and before[9] == pending[9]
             and [leaf.spec for leaf in payload_before.leaves]
             == [leaf.spec for leaf in payload.leaves])
@@ -194,7 +197,11 @@ def send_snapshots(sock: socket.socket, batch: list, start: int, stop: int, max_
         if (pending[6] is not None or payload.nbytes >= max_payload
                 or len(leaves) > _MAX_SNAPSHOT_LEAVES or not _all_snapshots(leaves)):
             break
-        if before is None or not _same_header(before, pending):
+        try:
+            same = before is not None and _same_header(before, pending)
+        except Exception:
+            same = False
+        if not same:
             try:
                 header = header_of(pending)
             except Exception:
@@ -205,6 +212,8 @@ def send_snapshots(sock: socket.socket, batch: list, start: int, stop: int, max_
                                   _NO_STEP if pending[8] is None else pending[8])
         except struct.error:
             break
+        if len(leaves) > _MAX_SNAPSHOT_LEAVES or not _all_snapshots(leaves):
+            break  # changed by code run above
         buffers += [prefix, header, *[leaf.source for leaf in leaves], trailer]
         sent.append(leaves)
         before = pending
