@@ -558,6 +558,75 @@ def test_code_run_mid_run_cannot_overflow_or_break_the_run(core, pair) -> None:
     _received(right, 3 * (wire.FRAME_PREFIX.size + len(header) + value.nbytes + len(trailer)))
 
 
+class _Meddler:
+    """Half of a rank whose comparison does ``act`` (to the batch it is in) and says equal."""
+
+    def __init__(self, act: Callable[[], None]):
+        self.act = act
+
+    def __eq__(self, other: object) -> bool:
+        self.act()
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = object.__hash__
+
+
+@pytest.mark.parametrize("case", ["shrink the frame before", "grow this frame", "empty this frame",
+                                  "cut the batch short", "float step", "header not bytes",
+                                  "names equal, not the same"])
+def test_what_code_run_mid_run_does_is_never_sent_out_of_step(core, pair, case: str) -> None:
+    """Whatever code run inside a run does to the batch, nothing reads past what is there,
+    and every frame sent is what its prefix and header say, bit for bit."""
+    left, right = pair
+    value = np.arange(4, dtype=np.float32)
+    batch = [_pending(seq, value) for seq in range(40)]
+    spare = _pending(0, value)[1].payload.leaves[0]
+    header = Headers().encode(batch[0][1], ())  # every frame's, whatever its rank or name
+    asked = []
+
+    def header_of(pending: Pending) -> Any:
+        asked.append(pending.name)
+        if case == "cut the batch short":
+            del batch[1:]
+        return bytearray(header) if case == "header not bytes" else header
+
+    def meddle(act: Callable[[], None]) -> None:  # in comparing frame 1's rank with frame 0's
+        for seq in (0, 1):
+            batch[seq] = (seq, batch[seq][1]._replace(rank=(_Meddler(act), 2)))
+
+    if case == "shrink the frame before":
+        meddle(lambda: batch[0][1].payload.leaves.clear())
+    elif case == "grow this frame":
+        meddle(lambda: batch[1][1].payload.leaves.append(spare))
+    elif case == "empty this frame":
+        meddle(lambda: batch[1][1].payload.leaves.clear())
+    elif case == "float step":
+        batch[0] = (0, batch[0][1]._replace(step=1.5))
+    elif case == "names equal, not the same":
+        batch = [(seq, pending._replace(name=name))
+                 for (seq, pending), name in zip(batch[:2], [1, True])]
+    sent = {"shrink the frame before": 40, "grow this frame": 1, "empty this frame": 1,
+            "cut the batch short": 1, "float step": 0, "header not bytes": 0,
+            "names equal, not the same": 2}[case]
+    trailer = wire.encode_trailer(False)
+    expected = b"".join(wire.encode_prefix(header, value.nbytes, seq, 1.5 + seq, call=1)
+                        + header + value.tobytes() + trailer for seq in range(sent))
+    assert core.send_snapshots(left, batch, 0, 64, 1 << 16, header_of, trailer) == sent
+    assert _received(right, len(expected)) == expected
+    if case == "names equal, not the same":
+        assert asked == [1, True]  # equal names that are not a str: asked for each
+
+
+def test_a_run_cannot_start_before_the_batch(core, pair) -> None:
+    left, _ = pair
+    with pytest.raises(ValueError, match="not an index"):
+        core.send_snapshots(left, [_pending(0, 1.0)], -1, 1, 1 << 16, bytes,
+                            wire.encode_trailer(False))
+
+
 # -- which core a normal install uses ------------------------------------------------
 
 

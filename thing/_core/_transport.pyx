@@ -32,6 +32,7 @@ from cpython.bytearray cimport PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.number cimport PyIndex_Check
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.errno cimport EAGAIN, ECONNRESET, EINTR, EMSGSIZE, errno
@@ -433,19 +434,11 @@ cdef inline unsigned long long _double_bits(double value) noexcept nogil:
     return bits
 
 
-cdef bint _all_snapshots(list leaves) except -1:
-    """Whether every leaf is a copy made at the call (see ``arrays.hold``): bytes, not
-    read in place."""
-    for leaf in leaves:
-        if type(leaf.source) is not bytes or leaf.version is not None:
-            return False
-    return True
-
-
 cdef bint _same_header(before, pending, list leaves) except -1:
     """Whether ``pending``'s header is ``before``'s: the same name (a ``str``, whose
-    comparison runs no one's code), site, rank and request, the very same tree (an equal
-    one may be other JSON: 1, 1.0 and True) and equal leaf specs."""
+    comparison runs no one's code), the very same tree (an equal one may be other JSON:
+    1, 1.0 and True), equal leaf specs, site, rank and request. A comparison may run
+    code that changes the lists: each index is checked against them as they are then."""
     cdef list leaves_before = _field(before, PENDING_PAYLOAD).leaves
     cdef Py_ssize_t i
     name_before, name = _field(before, PENDING_NAME), _field(pending, PENDING_NAME)
@@ -456,13 +449,52 @@ cdef bint _same_header(before, pending, list leaves) except -1:
         return False
     if len(leaves_before) != len(leaves):
         return False
+    for i in range(len(leaves)):
+        if i >= len(leaves_before) or i >= len(leaves):
+            return False
+        if leaves_before[i].spec != leaves[i].spec:
+            return False
     for i in (PENDING_SITE, PENDING_RANK, PENDING_REQUESTED):
         if _field(before, i) != _field(pending, i):
             return False
-    for i in range(len(leaves)):
-        if leaves_before[i].spec != leaves[i].spec:
+    return True
+
+
+cdef inline object _integer(value):
+    """An integer field of a prefix, as ``struct`` packs one: never a float's whole part."""
+    if not PyIndex_Check(value):
+        raise TypeError(f"{type(value).__name__} is not an integer")
+    return value
+
+
+cdef bint _all_snapshots(list leaves) except -1:
+    """Whether every leaf is a copy made at the call (see ``arrays.hold``): bytes, not
+    read in place."""
+    for leaf in leaves:
+        if leaf.version is not None or type(leaf.source) is not bytes:
             return False
     return True
+
+
+cdef Py_ssize_t _point_to(list leaves, Py_ssize_t count, iovec *iov, list keep) except -2:
+    """Point ``iov`` (room for ``count``) at the bytes of each of the ``count`` leaves,
+    keeping each in ``keep``; their byte count, or -1 if one is not a snapshot or the
+    list is not of ``count`` (reading an attribute may run code that changes it: each
+    index is checked as it is read). Each source is read once: what is pointed at is kept."""
+    cdef Py_ssize_t i
+    cdef size_t nbytes = 0
+    for i in range(count):
+        if i >= len(leaves):
+            return -1
+        leaf = leaves[i]
+        source = leaf.source
+        if leaf.version is not None or type(source) is not bytes:
+            return -1
+        keep.append(source)
+        iov[i].iov_base = <char *><bytes>source
+        iov[i].iov_len = <size_t>len(<bytes>source)
+        nbytes += <size_t>len(<bytes>source)
+    return <Py_ssize_t>nbytes if len(leaves) == count else -1
 
 
 def send_snapshots(sock, list batch, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t max_payload,
@@ -482,19 +514,21 @@ def send_snapshots(sock, list batch, Py_ssize_t start, Py_ssize_t stop, Py_ssize
     """
     cdef Py_ssize_t end = start
     cdef Py_ssize_t count = 0
-    cdef Py_ssize_t frames, nleaves, i
+    cdef Py_ssize_t frames, nleaves
     cdef size_t total = 0
+    cdef Py_ssize_t frame_bytes
     cdef unsigned char *prefix
     cdef unsigned long long seq, call, nbytes
-    cdef bint same
     cdef long long step
     cdef double caught_at
+    cdef bint same
     cdef object pending, before = None
     cdef list leaves
     cdef bytes header = None
-    cdef bytes source
     cdef list keep = []  # what the iovecs point into, alive while the GIL is let go
     cdef list sent = []  # each sent frame's leaves
+    if start < 0:
+        raise ValueError(f"start {start} is not an index")
     stop = min(stop, len(batch))
     if stop <= start:
         return start
@@ -506,7 +540,10 @@ def send_snapshots(sock, list batch, Py_ssize_t start, Py_ssize_t stop, Py_ssize
         PyMem_Free(iov)
         raise MemoryError()
     try:
-        while end < stop:
+        # Python may run inside the loop (a comparison, header_of, a conversion, a finalizer
+        # the collector calls): the batch's and the leaves' lengths are checked as each is
+        # indexed, and what the iovecs point to is read once and kept.
+        while end < stop and end < len(batch):
             seq_object, pending = batch[end]
             if (not PyTuple_Check(pending) or PyTuple_GET_SIZE(pending) != PENDING_FIELDS
                     or _field(pending, PENDING_NOTICE) is not None):
@@ -514,9 +551,8 @@ def send_snapshots(sock, list batch, Py_ssize_t start, Py_ssize_t stop, Py_ssize
             payload = _field(pending, PENDING_PAYLOAD)
             leaves = payload.leaves
             nleaves = len(leaves)
-            if payload.nbytes >= max_payload or nleaves > MAX_SNAPSHOT_LEAVES:
-                break
-            if not _all_snapshots(leaves):
+            if (payload.nbytes >= max_payload or nleaves > MAX_SNAPSHOT_LEAVES
+                    or not _all_snapshots(leaves)):
                 break
             try:
                 same = before is not None and _same_header(before, pending, leaves)
@@ -529,19 +565,18 @@ def send_snapshots(sock, list batch, Py_ssize_t start, Py_ssize_t stop, Py_ssize
                     break
                 keep.append(header)
             try:
-                seq = seq_object
+                seq = _integer(seq_object)
                 caught_at = _field(pending, PENDING_CAUGHT_AT)
-                call = _field(pending, PENDING_CALL)
+                call = _integer(_field(pending, PENDING_CALL))
                 step_object = _field(pending, PENDING_STEP)
-                step = NO_STEP if step_object is None else step_object
-                nbytes = payload.nbytes
+                step = NO_STEP if step_object is None else _integer(step_object)
+                nbytes = _integer(payload.nbytes)
             except (OverflowError, TypeError):
                 break
-            # Python may have run above (a comparison, header_of, a conversion): the arrays
-            # are counted again, and nothing from here on runs any.
-            nleaves = len(leaves)
-            if nleaves > MAX_SNAPSHOT_LEAVES or not _all_snapshots(leaves):
-                break
+            # Into this frame's iovecs; counted in only once the frame is whole.
+            frame_bytes = _point_to(leaves, nleaves, iov + count + 2, keep)
+            if frame_bytes < 0 or <unsigned long long>frame_bytes != nbytes:
+                break  # no longer the snapshots it was, or their bytes not what it says
             prefix = prefixes + (end - start) * PREFIX_BYTES
             prefix[0], prefix[1] = 84, 70  # "TF"
             _put_little(prefix + 2, KIND_CAPTURE, 2)
@@ -554,17 +589,11 @@ def send_snapshots(sock, list batch, Py_ssize_t start, Py_ssize_t stop, Py_ssize
             iov[count].iov_base, iov[count].iov_len = prefix, PREFIX_BYTES
             iov[count + 1].iov_base = <char *>header
             iov[count + 1].iov_len = <size_t>len(header)
-            count += 2
-            total += PREFIX_BYTES + <size_t>len(header) + <size_t>len(trailer)
-            for i in range(nleaves):
-                source = leaves[i].source
-                keep.append(source)
-                iov[count].iov_base = <char *>source
-                iov[count].iov_len = <size_t>len(source)
-                total += <size_t>len(source)
-                count += 1
+            count += 2 + nleaves
             iov[count].iov_base, iov[count].iov_len = <char *>trailer, <size_t>len(trailer)
             count += 1
+            total += (PREFIX_BYTES + <size_t>len(header) + <size_t>frame_bytes
+                      + <size_t>len(trailer))
             sent.append(leaves)
             before = pending
             end += 1

@@ -177,25 +177,28 @@ def _same_header(before: tuple, pending: tuple) -> bool:
     return ((name is name_before or (type(name) is str and type(name_before) is str
                                      and name == name_before))
             and payload_before.tree is payload.tree
-            and before[2] == pending[2] and before[4] == pending[4] and before[9] == pending[9]
             and [leaf.spec for leaf in payload_before.leaves]
-            == [leaf.spec for leaf in payload.leaves])
+            == [leaf.spec for leaf in payload.leaves]
+            and before[2] == pending[2] and before[4] == pending[4] and before[9] == pending[9])
 
 
 def send_snapshots(sock: socket.socket, batch: list, start: int, stop: int, max_payload: int,
                    header_of: Any, trailer: bytes) -> int:
     """Send the frames of ``batch[start:stop]`` in one vectored write, up to the first that
     is not a plain snapshot; return its index (see the compiled core's)."""
+    if start < 0:
+        raise ValueError(f"start {start} is not an index")
     buffers: list[Any] = []
     sent: list[list] = []
     before = header = None
-    end, stop = start, min(stop, len(batch))
-    while end < stop:
+    end = start
+    while end < min(stop, len(batch)):  # Python run below may shorten the batch
         seq, pending = batch[end]
         payload = pending[1]
         leaves = payload.leaves
+        count = len(leaves)
         if (pending[6] is not None or payload.nbytes >= max_payload
-                or len(leaves) > _MAX_SNAPSHOT_LEAVES or not _all_snapshots(leaves)):
+                or count > _MAX_SNAPSHOT_LEAVES or not _all_snapshots(leaves)):
             break
         try:
             same = before is not None and _same_header(before, pending)
@@ -206,15 +209,21 @@ def send_snapshots(sock: socket.socket, batch: list, start: int, stop: int, max_
                 header = header_of(pending)
             except Exception:
                 break
+            if type(header) is not bytes:
+                break
         try:
             prefix = _PREFIX.pack(b"TF", _KIND_CAPTURE, len(header), payload.nbytes, seq,
                                   pending[3], pending[7],
                                   _NO_STEP if pending[8] is None else pending[8])
         except struct.error:
             break
-        if len(leaves) > _MAX_SNAPSHOT_LEAVES or not _all_snapshots(leaves):
+        held = list(leaves)  # as the header was chosen for, each source read once
+        sources = [leaf.source for leaf in held]
+        if (len(held) != count or any(leaf.version is not None for leaf in held)
+                or any(type(source) is not bytes for source in sources)
+                or sum(map(len, sources)) != payload.nbytes):
             break  # changed by code run above
-        buffers += [prefix, header, *[leaf.source for leaf in leaves], trailer]
+        buffers += [prefix, header, *sources, trailer]
         sent.append(leaves)
         before = pending
         end += 1
