@@ -34,8 +34,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if request.param == "python":
         for module in (thing.channel, thing.receiver, thing.stream, thing.wire):
             for name in ("send_buffers", "send_snapshots", "recv_buffers", "recv_some",
-                         "split_small_frames",
-                         "split_stored_acks", "wake"):
+                         "split_small_frames", "split_stored_acks", "wake"):
                 if hasattr(module, name):
                     monkeypatch.setattr(module, name, getattr(fallback, name))
         monkeypatch.setenv("THING_PUREPYTHON", "1")

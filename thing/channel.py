@@ -648,8 +648,9 @@ class Channel:
                     batch: list[tuple[int, Pending]],
                     undelivered: Undelivered) -> None:
         """Send frames in order: small finished ones together, one vectored write for up to
-        COALESCE of them; one that is large, goes by shared memory, or whose end is known
-        only once it is sent, by itself.
+        COALESCE of them (a run of snapshots written by the core: ``send_snapshots``);
+        one that is large, goes by shared memory, or whose end is known only once it is
+        sent, by itself.
 
         A frame's room in the client's queue is given back once its bytes are in the
         kernel (or it ended unsent), not at its acknowledgement: from then on the client

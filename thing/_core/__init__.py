@@ -16,8 +16,7 @@ import os
 # What both cores provide, and this package takes from the one it chose.
 _MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "bytes_at", "map_file",
            "recv_buffers", "recv_some", "send_buffers", "send_snapshots", "split_small_frames",
-           "split_stored_acks",
-           "untrack", "wake")
+           "split_stored_acks", "untrack", "wake")
 _THROTTLES = ("Throttle", "Throttles", "gated")
 
 

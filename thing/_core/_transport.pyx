@@ -452,7 +452,8 @@ cdef bint _same_header(before, pending, list leaves) except -1:
     for i in range(len(leaves)):
         if i >= len(leaves_before) or i >= len(leaves):
             return False
-        if leaves_before[i].spec != leaves[i].spec:
+        leaf_before, leaf = leaves_before[i], leaves[i]  # both read before any code runs
+        if leaf_before.spec != leaf.spec:
             return False
     for i in (PENDING_SITE, PENDING_RANK, PENDING_REQUESTED):
         if _field(before, i) != _field(pending, i):
