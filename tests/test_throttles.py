@@ -17,9 +17,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 import thing
+import thing.channel
 
 from .conftest import script_env
 
@@ -217,7 +220,9 @@ class Cell:
         self.code = compile("handle = client.catch(v, every=3)", "<cell>", "exec")
 
     def run(self, module: str) -> str:
-        scope = {"client": self.client, "v": 0.0, "__name__": module}
+        # A list: not of the kind the compiled gate queues itself (_core.Catcher), so every
+        # sent call runs Client.catch, and its tracing, which these tests steer.
+        scope = {"client": self.client, "v": [0.0], "__name__": module}
         exec(self.code, scope)
         return "S" if scope["handle"] is thing.client.SKIPPED else "x"
 
@@ -341,3 +346,134 @@ def test_an_on_demand_name_forgotten_during_the_gate_s_lookup_goes_to_catch() ->
     if Collides.armed:  # the set found "od" before it compared with Collides
         pytest.skip("this set's order did not run __eq__ during the lookup")
     assert answer == "python" and through_python == ["od"]
+
+
+# -- the sent calls the compiled gate queues itself (_core.Catcher) ---------------------
+
+# Values of the common kind: the gate snapshots and queues them without running
+# Client.catch. Arrays up to HOLD_FIRST_BYTES (4 KiB), their bytes in order in memory.
+def _common_values() -> list[Any]:
+    import torch
+
+    storage = torch.arange(10, dtype=torch.float64)
+    loss = (torch.ones(3, requires_grad=True) * 2).sum()
+    return [0.25, -0.0, float("inf"), 7, 2**70, True, None,
+            np.arange(4, dtype=np.float32), np.ones((2, 3), np.float16),
+            np.array([True, False]), np.array([1 + 2j], np.complex64), np.array(5),
+            np.zeros((0, 3)), np.arange(4096, dtype=np.uint8),
+            torch.zeros(3), torch.nn.Parameter(torch.ones(2, 2)), storage[3:6],
+            torch.arange(4, dtype=torch.bfloat16), torch.tensor([-1, 2], dtype=torch.int8),
+            loss, torch.zeros(0, 2)]
+
+
+# And of every other kind, left to Client.catch: a NaN (its bits travel), a numpy scalar,
+# arrays swapped, strided, or over 4 KiB, tensors strided or conjugate, containers, text.
+def _other_values() -> list[Any]:
+    import torch
+
+    return [float("nan"), np.float32(1.5), np.arange(3, dtype=">f4"),
+            np.asfortranarray(np.ones((2, 3))), np.arange(4097, dtype=np.uint8),
+            torch.ones(2, 3).t(), torch.tensor([1 + 1j]).conj(), [1.0], "text"]
+
+
+def _bits(value: Any) -> Any:
+    """An array's dtype, shape and bytes, whatever its framework; anything else itself."""
+    if isinstance(value, np.ndarray):
+        return value.dtype, value.shape, value.tobytes()
+    if hasattr(value, "untyped_storage"):  # torch, bfloat16 too
+        return value.dtype, value.shape, value.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return repr(value)
+
+
+def _bits(value: Any) -> Any:
+    """An array's bytes, whatever its framework (bfloat16 too); anything else's repr."""
+    if isinstance(value, np.ndarray):  # in C order and the wire's byte order
+        return value.astype(value.dtype.newbyteorder("<")).tobytes()
+    if isinstance(value, torch.Tensor):  # its value's bytes: a conjugate view's resolved
+        return value.detach().resolve_conj().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return repr(value)
+
+
+def _same_capture(fast: Any, slow: Any) -> None:
+    """Two captures of one value say the same, bit for bit, but for their call numbers."""
+    assert type(fast.value) is type(slow.value) and _bits(fast.value) == _bits(slow.value)
+    assert (fast.leaves, fast.nbytes, fast.given_step, fast.consistent, fast.call_site,
+            fast.sender.rank) == (slow.leaves, slow.nbytes, slow.given_step, slow.consistent,
+                                  slow.call_site, slow.sender.rank)
+
+
+def _count_python_queueing(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the captures Client.catch queues (the gate queues its own directly)."""
+    queued: list[str] = []
+    enqueue = thing.channel.Channel.enqueue
+
+    def counted(channel: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        queued.append(name)
+        return enqueue(channel, name, *args, **kwargs)
+
+    monkeypatch.setattr(thing.channel.Channel, "enqueue", counted)
+    return queued
+
+
+@pytest.mark.skipif(thing.BACKEND != "compiled", reason="the twin has no gate")
+def test_the_gate_queues_a_common_sent_call_as_catch_would(server: thing.Server,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second call of a name from a call site (the first is Client.catch's, which
+    learns both) is queued by the gate when its value is of the common kind, and by
+    Client.catch otherwise; either way the server stores the same capture."""
+    queued = _count_python_queueing(monkeypatch)
+    client = thing.Client("127.0.0.1", server.port)
+    common, other = _common_values(), _other_values()
+
+    def traced(value: Any) -> Any:
+        return client.catch(value, step=9)
+
+    try:
+        assert client.catch(0, name="connected").wait(30)
+        handles = [client.catch(value, name=f"v{i}", step=i)
+                   for i, value in enumerate(common + other) for _ in range(2)]
+        handles += [traced(value) for value in common + other]
+        assert all(handle.wait(30) for handle in handles), [h.error for h in handles]
+    finally:
+        client.close()
+    python_once = [f"v{i}" for i in range(len(common))]
+    python_twice = [f"v{i}" for i in range(len(common), len(common + other)) for _ in "12"]
+    assert queued == ["connected", *python_once, *python_twice, "value",
+                      *["value"] * len(other)]
+    for i, sent in enumerate(common + other):
+        first, second = server.store.get_all(f"v{i}")
+        assert (first.call, second.call) == (1, 2)
+        _same_capture(second, first)
+        assert _bits(first.value) == _bits(sent) or isinstance(sent, float), i  # NaN: below
+    by_trace = server.store.get_all("value")
+    assert [_bits(capture.value) for capture in by_trace] == [
+        _bits(first.value) for first in
+        (server.store.get_all(f"v{i}")[0] for i in range(len(common + other)))]
+    assert [capture.call for capture in by_trace] == list(range(1, len(by_trace) + 1))
+
+
+@pytest.mark.skipif(thing.BACKEND != "compiled", reason="the twin has no gate")
+def test_a_call_the_gate_queues_that_fails_is_counted_and_told_as_catch_does(
+        server: thing.Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What fails once the call is counted (here: reading the rank) fails the capture with
+    its reason, counted under "failed", as in Client.catch; nothing is raised."""
+    queued = _count_python_queueing(monkeypatch)
+    client = thing.Client("127.0.0.1", server.port)
+    try:
+        value = np.arange(3.0)
+        assert client.catch(value, name="r").wait(30)
+
+        def broken() -> Any:
+            raise RuntimeError("no rank today")
+
+        monkeypatch.setattr(client._rank, "read", broken)
+        by_gate = client.catch(value, name="r")
+        by_catch = thing.Client.catch(client, value, name="r")
+        assert queued == ["r"]  # the first call; the gate's own did not go through enqueue
+        for handle in (by_gate, by_catch):
+            assert not handle.wait(0)
+            assert handle.error == "not sent: RuntimeError: no rank today"
+        assert client.undelivered["failed"] == 2
+        assert [capture.call for capture in server.store.get_all("r")] == [1]
+    finally:
+        client.close()

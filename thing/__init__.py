@@ -203,9 +203,10 @@ def catch(
 
 
 # The default client's every=/first= counts exist before it does, so that the calls they
-# skip are answered by the compiled core before any Python runs (thing/_core/_throttles.pyx).
+# skip are answered by the compiled core before any Python runs (thing/_core/_throttles.pyx),
+# and the sent calls of the common kind are queued there by whichever client is the default.
 _default_throttles = _core.Throttles()
-catch = _core.gated(catch, _default_throttles, SKIPPED)
+catch = _core.gated(catch, _default_throttles, SKIPPED, globals())
 
 
 _said_cannot_send = False

@@ -178,9 +178,10 @@ class Client:
                                     config.control_ttl(), lambda: rank.read()[0],
                                     self._throttles)
         # The calls every=/first= skip are answered by the compiled core, before any Python
-        # runs; the gate calls this class's catch for every other call (see _CATCH).
+        # runs, and the sent calls of the common kind queued there; the gate calls this
+        # class's catch for every other call (see _CATCH).
         if type(self).catch is _CATCH:
-            self.catch = _core.gated(_CATCH.__get__(self), self._throttles, SKIPPED)
+            self.catch = _core.gated(_CATCH.__get__(self), self._throttles, SKIPPED, self)
         self._start_afresh()
         self._closed = False
         _live_clients.add(self)
@@ -288,19 +289,25 @@ class Client:
             return channel.enqueue(name, obj, site, self._rank.read(), block, copy,
                                    self.snapshot_bytes, call, step, requested)
         except Exception as exc:  # catch() must never raise into a training loop
-            with self._lock:
-                self._queue.undelivered["failed"] += 1
-            try:
-                reason = (str(exc) if isinstance(exc, UnsupportedType)
-                          else f"{type(exc).__name__}: {exc}")
-                self._warn_once(f"{type(exc).__name__}:{name}", WARNING,
-                                "thing.catch(%s) failed: %s", name, reason)
-                self._tell_server(server, name, site, obj, reason)
-                return CaptureHandle(name, f"not sent: {reason}")
-            except Exception:  # an exception, or a name, that cannot even be put in words
-                return CaptureHandle(None, f"not sent: {type(exc).__name__}")
+            return self._failed(exc, server, name, site, obj)
         finally:
             busy.working = False
+
+    def _failed(self, exc: Exception, server: str | None, name: str | None,
+                site: CallSite | None, obj: Any) -> CaptureHandle:
+        """Count, log (once) and tell the server of a catch that failed with ``exc``; the
+        handle that says why. (Also the compiled gate's: see ``_core.Catcher``.)"""
+        with self._lock:
+            self._queue.undelivered["failed"] += 1
+        try:
+            reason = (str(exc) if isinstance(exc, UnsupportedType)
+                      else f"{type(exc).__name__}: {exc}")
+            self._warn_once(f"{type(exc).__name__}:{name}", WARNING,
+                            "thing.catch(%s) failed: %s", name, reason)
+            self._tell_server(server, name, site, obj, reason)
+            return CaptureHandle(name, f"not sent: {reason}")
+        except Exception:  # an exception, or a name, that cannot even be put in words
+            return CaptureHandle(None, f"not sent: {type(exc).__name__}")
 
     def _announce(self, server: str | None, name: str | None, site: CallSite | None, obj: Any,
                   depth: int) -> None:

@@ -86,6 +86,7 @@ class Throttles:
         """For the compiled gate's call sites; there are none here."""
 
 
-def gated(target: Catch, throttles: Throttles, skipped: Any) -> Catch:
-    """``target`` itself: without the compiled core, every call is answered in Python."""
+def gated(target: Catch, throttles: Throttles, skipped: Any, clients: Any = None) -> Catch:
+    """``target`` itself: without the compiled core, every call is answered, and queued,
+    in Python."""
     return target
