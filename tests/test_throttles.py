@@ -477,3 +477,26 @@ def test_a_call_the_gate_queues_that_fails_is_counted_and_told_as_catch_does(
         assert [capture.call for capture in server.store.get_all("r")] == [1]
     finally:
         client.close()
+
+
+@pytest.mark.skipif(thing.BACKEND != "compiled", reason="the twin has no gate")
+@pytest.mark.parametrize("block", [True, False])
+def test_the_gate_takes_and_gives_back_room_as_catch_does(server: thing.Server,
+                                                           block: bool) -> None:
+    """In a queue of four, the gate queues where there is room and leaves the rest to
+    Client.catch (which waits for room, or drops and counts): every capture is stored in
+    order or counted as dropped, and the room is all given back."""
+    client = thing.Client("127.0.0.1", server.port, max_queue_items=4)
+    try:
+        handles = [client.catch(np.full(4, i, np.float32), name="r", block=block)
+                   for i in range(2000)]
+        assert client.flush(60)
+        stored = [i for i, handle in enumerate(handles) if handle.wait(30)]
+        dropped = client.undelivered.get("queue full", 0)
+        room = client._queue
+        assert (room.items, room.bytes) == (0, 0)
+    finally:
+        client.close()
+    assert len(stored) + dropped == 2000 and (dropped == 0 if block else dropped > 0)
+    assert [value.tobytes() for value in server.get_all("r")] == [
+        np.full(4, i, np.float32).tobytes() for i in stored]

@@ -380,8 +380,8 @@ cdef inline object _torch_frames():
 # is made for a Client, and Client loads them), so that `import thing` loads no more.
 cdef object _Leaf = None
 cdef object _LeafSpec, _Payload, _Pending, _Handle, _SINGLE_LEAF, _SKIPPED, _busy
-cdef object _wire_name, _clock, _ndarray, _new_tuple
-cdef Py_ssize_t _hold_first, _scalar_held
+cdef object _wire_name, _clock, _ndarray, _new_tuple, _untrack_pending
+cdef Py_ssize_t _hold_first, _scalar_held, _batch, _small_bytes
 cdef bint _little_endian
 cdef dict _numpy_names = {}  # numpy dtype -> wire name, for the dtypes in the wire's order
 cdef dict _torch_dtypes = {}  # torch dtype -> (wire name, element size)
@@ -391,13 +391,14 @@ cdef object _parameter = None
 
 cdef _bind():
     global _Leaf, _LeafSpec, _Payload, _Pending, _Handle, _SINGLE_LEAF, _SKIPPED, _busy
-    global _wire_name, _clock, _ndarray, _new_tuple, _hold_first, _scalar_held, _little_endian
+    global _wire_name, _clock, _ndarray, _new_tuple, _untrack_pending, _hold_first, _scalar_held
+    global _batch, _small_bytes, _little_endian
     if _Leaf is not None:
         return
     import time
 
     import numpy
-    from thing import arrays, channel, frames, handles, value_trees
+    from thing import arrays, channel, frames, handles, value_trees, wire
 
     taking = value_trees._Taking()
     taking.node()  # what a tree of one scalar holds, as take_apart counts it
@@ -405,6 +406,7 @@ cdef _bind():
     _LeafSpec, _Payload, _SINGLE_LEAF = arrays.LeafSpec, value_trees.Payload, value_trees.SINGLE_LEAF
     _Pending, _Handle, _SKIPPED, _busy = frames.Pending, handles.CaptureHandle, handles.SKIPPED, handles.busy
     _wire_name, _clock, _ndarray, _new_tuple = arrays._wire_name, time.time, numpy.ndarray, tuple.__new__
+    _untrack_pending, _batch, _small_bytes = frames.untrack_pending, channel.BATCH, wire.SMALL_BYTES
     _hold_first, _little_endian = channel.HOLD_FIRST_BYTES, sys.byteorder == "little"
     _Leaf = arrays.Leaf  # last: bound only once everything is
 
@@ -420,11 +422,13 @@ cdef class Catcher:
     at most ``HOLD_FIRST_BYTES`` that is snapshotted at the call, its bytes in
     order in its own memory. :meth:`send` looks at all of that first, and for
     anything else returns None having changed nothing: ``catch`` then does it
-    all. Otherwise it does what ``catch`` does, in the same order, calling the
-    same Python for the rest (the call's count, the rank, ``Channel._enqueue``);
-    only its snapshot is made here (as ``arrays.hold`` makes it). So every
-    answer is the one ``catch`` gives; a training loop just runs less Python to
-    get it (right after a step, every line of it costs microseconds).
+    all. Otherwise it does what ``catch`` does, in the same order: it counts
+    the call and reads the rank as ``catch`` does, snapshots the value as
+    ``arrays.hold`` would, and queues it as ``Channel._enqueue`` would where
+    there is room now and nothing unusual (else it calls that). As with the
+    throttled calls, the answer is always the one ``catch`` gives, and the code
+    that gives it in Python is its specification; a training loop just runs
+    less Python to get it (right after a step, every line costs microseconds).
     """
 
     cdef readonly object client
@@ -452,44 +456,48 @@ cdef class Catcher:
         cdef Throttle throttle
         cdef int overflow = 0
         client = self.client
-        if (getattr(_busy, "working", False) or self._overrides.active
-                or type(every) is not int or (first is not None and type(first) is not int)
-                or (copy is not None and copy is not True)):
-            return None
-        if step is not None:
-            if type(step) is not int:
+        try:  # nothing is changed here: whatever goes wrong, catch looks again, and says why
+            if (getattr(_busy, "working", False) or self._overrides.active
+                    or type(every) is not int or (first is not None and type(first) is not int)
+                    or (copy is not None and copy is not True)):
                 return None
-            if PyLong_AsLongLongAndOverflow(step, &overflow) == LLONG_MIN or overflow:
-                return None  # the wire's int64 keeps its least value for "no step"
-        frame = PyEval_GetFrame()
-        if frame == NULL or not (name is None or (PyUnicode_CheckExact(name)
-                                                  and name.isprintable())):
-            return None
-        found = self._throttles._answerable(name)  # None if never caught from this site
-        if found == NULL:
-            return None
-        throttle = <Throttle>found  # a reference of our own from here
-        code = <PyObject *>PyFrame_GetCode(frame)
-        Py_DECREF(code)  # the frame holds it while we run
-        key = (<size_t>code, (<object>frame).f_lasti)  # the tracer's key: (id(code), f_lasti)
-        if name is None:
-            entry = self._traced.get(key)
-            if entry is None or entry[0]() is not <object>code or entry[1][0] != throttle.name:
+            if step is not None:
+                if type(step) is not int:
+                    return None
+                if PyLong_AsLongLongAndOverflow(step, &overflow) == LLONG_MIN or overflow:
+                    return None  # the wire's int64 keeps its least value for "no step"
+            frame = PyEval_GetFrame()
+            if frame == NULL or not (name is None or (PyUnicode_CheckExact(name)
+                                                      and name.isprintable())):
                 return None
-            name, site = entry[1]
-        else:
-            entry = self._sites.get(key)
-            if entry is None or entry[1]() is not <object>code:
+            found = self._throttles._answerable(name)  # NULL if never caught from this site
+            if found == NULL:
                 return None
-            site = entry[0]
-        channel = client._channels.get(None)
-        if channel is None or channel.down:
-            return None
-        snapshot_bytes = client.snapshot_bytes
-        if type(snapshot_bytes) is not int:
-            return None
-        payload = _held(obj, copy, snapshot_bytes)
-        if payload is None:
+            throttle = <Throttle>found  # a reference of our own from here
+            code = <PyObject *>PyFrame_GetCode(frame)
+            Py_DECREF(code)  # the frame holds it while we run
+            key = (<size_t>code, (<object>frame).f_lasti)  # the tracer's: (id(code), f_lasti)
+            if name is None:
+                entry = self._traced.get(key)
+                if (entry is None or entry[0]() is not <object>code
+                        or entry[1][0] != throttle.name):
+                    return None
+                name, site = entry[1]
+            else:
+                entry = self._sites.get(key)
+                if entry is None or entry[1]() is not <object>code:
+                    return None
+                site = entry[0]
+            channel = client._channels.get(None)
+            if channel is None or channel.down:
+                return None
+            snapshot_bytes = client.snapshot_bytes
+            if type(snapshot_bytes) is not int:
+                return None
+            payload = _held(obj, copy, snapshot_bytes)
+            if payload is None:
+                return None
+        except Exception:
             return None
         _busy.working = True
         try:
@@ -497,15 +505,52 @@ cdef class Catcher:
             call = throttle.admit(every, first)
             if not call:
                 return _SKIPPED
-            return channel._enqueue(
-                _new_tuple(_Pending, (name, payload, site, _clock(), self._rank.read(),
-                                      _Handle(name, None, channel._hurry), None, call, step,
-                                      False)),
+            return _queue(channel, _new_tuple(_Pending, (
+                name, payload, site, _clock(), self._rank.read(),
+                _Handle(name, None, channel._hurry), None, call, step, False)),
                 block, copy, snapshot_bytes)
         except Exception as exc:  # catch() must never raise into a training loop
             return client._failed(exc, None, name, site, obj)
         finally:
             _busy.working = False
+
+
+cdef object _queue(channel, pending, block, copy, snapshot_bytes):
+    """Queue ``pending`` (held, of the common kind) as ``Channel._enqueue`` would: in the
+    common case here (room now, the channel open and up, nothing steered), else by it."""
+    cdef Py_ssize_t nbytes = pending[1].held, items, queued
+    mutex = channel._mutex
+    mutex.acquire()
+    try:
+        room = channel._room
+        items = room.items
+        if (channel._closed or channel.down or channel.overrides.active
+                or items >= room.max_items or (items and room.bytes + nbytes > room.max_bytes)):
+            queue = None  # each of those is Channel._enqueue's to deal with
+        else:
+            room.items = items + 1
+            room.bytes += nbytes
+            # Channel._queue_up, for a capture that no request brought, in an open channel
+            # that nothing steers.
+            queue = channel._queue
+            queue.append(pending)
+            queued = len(queue)
+            channel._queued_bytes += nbytes
+            if queued > _batch:
+                _untrack_pending(pending)
+            wake = channel._idle
+            if not channel._send_now and (
+                    nbytes >= _small_bytes or queued >= _batch or 2 * queued > room.max_items
+                    or 2 * channel._queued_bytes > room.max_bytes):
+                channel._send_now = wake = True
+            if wake:
+                channel._idle = False
+                channel._signal()
+    finally:
+        mutex.release()
+    if queue is None:
+        return channel._enqueue(pending, block, copy, snapshot_bytes)
+    return pending[5]  # its handle
 
 
 cdef object _held(obj, copy, snapshot_bytes):
