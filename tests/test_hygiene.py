@@ -39,10 +39,10 @@ def test_a_training_job_loads_only_the_sending_side(server) -> None:
     imported, sent, heavy = (out.splitlines() + [""])[:3]
     assert heavy == ""  # the store's name matching, the live view, IPython
     # `import thing`: the client and what its catch() needs before it opens a connection.
-    assert imported.split() == ["thing", "thing._core", "thing._core._throttles",
-                                "thing._core._transport", "thing.client",
-                                "thing.config", "thing.errors", "thing.handles", "thing.log",
-                                "thing.names", "thing.run_names"]
+    assert imported.split() == ["thing", "thing._core", "thing._core._gate",
+                                "thing._core._throttles", "thing._core._transport",
+                                "thing.client", "thing.config", "thing.errors", "thing.handles",
+                                "thing.log", "thing.names", "thing.run_names"]
     # Catching loads the sending side, never the server, the store or the REPL's.
     receiving = {"thing.server", "thing.store", "thing.captures", "thing.receiver", "thing.repl",
                  "thing.reports", "thing.display", "thing.live", "thing.ingest",

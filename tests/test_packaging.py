@@ -185,7 +185,8 @@ def test_a_build_older_than_the_source_falls_back_to_the_twin(tmp_path) -> None:
     newer code) is not used half-way: the twin runs, and the warning says to rebuild."""
     result = _import_from_a_source_tree(tmp_path, {
         "_transport": "from .fallback import recv_buffers, send_buffers  # the rest is missing\n",
-        "_throttles": "from .throttles import Throttle, Throttles, gated\n"})
+        "_throttles": "from .throttles import Throttle, Throttles\n",
+        "_gate": "from .gate import gated\n"})
     assert "older than the source: it lacks MAX_DESCRIPTORS" in result.stderr
 
 

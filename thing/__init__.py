@@ -203,8 +203,8 @@ def catch(
 
 
 # The default client's every=/first= counts exist before it does, so that the calls they
-# skip are answered by the compiled core before any Python runs (thing/_core/_throttles.pyx),
-# and the sent calls of the common kind are queued there by whichever client is the default.
+# skip are answered by the compiled gate before any Python runs (thing/_core/_gate.pyx); the
+# sent calls of the common kind it queues itself, for whichever client is the default.
 _default_throttles = _core.Throttles()
 catch = _core.gated(catch, _default_throttles, SKIPPED, globals())
 

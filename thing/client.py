@@ -1,8 +1,9 @@
 """The sending side's public face: ``Client.catch`` on the caller's thread.
 
 On the caller's thread ``catch`` traces or takes the name, applies ``every=``
-and ``first=`` (a call they skip is answered by the compiled core before any
-Python runs: see ``thing/_core/_throttles.pyx``), notes each array's dtype
+and ``first=`` (a call they skip is answered by the compiled gate before any
+Python runs, and a sent call of the common kind is queued there: see
+``thing/_core/_gate.pyx``), notes each array's dtype
 and shape, takes room in a bounded queue, and snapshots what must be
 snapshotted (small leaves, and every leaf with ``copy=True``; see
 :func:`thing.arrays.hold`): after taking room, so that a full queue costs no

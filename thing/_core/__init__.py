@@ -1,6 +1,7 @@
 """Chooses the compiled core (``_transport``, the byte movers; ``_throttles``, the
-``every=``/``first=`` counts and the gate that answers throttled calls in C) or
-its pure-Python twin (``fallback``, ``throttles``).
+``every=``/``first=`` counts; ``_gate``, ``catch`` in C for the calls it can
+answer without Python) or its pure-Python twin (``fallback``, ``throttles``,
+``gate``).
 
 ``THING_PUREPYTHON=1`` forces the twin; it is also used, with a warning that
 says how to build, when the extension cannot be imported (a source checkout
@@ -17,7 +18,8 @@ import os
 _MOVERS = ("MAX_DESCRIPTORS", "PrivateMapping", "bytes_at", "map_file",
            "recv_buffers", "recv_some", "send_buffers", "send_snapshots", "split_small_frames",
            "split_stored_acks", "untrack", "wake")
-_THROTTLES = ("Throttle", "Throttles", "gated")
+_THROTTLES = ("Throttle", "Throttles")
+_GATE = ("gated",)
 
 
 def _say_not_built(exc: ImportError) -> None:
@@ -46,28 +48,34 @@ def _say_not_built(exc: ImportError) -> None:
 
 def _changed_since_built(*modules: object) -> str | None:
     """In a source checkout (a pyproject.toml beside the package), the first ``.pyx`` whose
-    text is not what its extension was built from (an edit not yet built, which would
-    otherwise run the old code without a word); None where they agree, or elsewhere."""
+    text, or that of a ``.pxd`` it may cimport, is not what its extension was built from
+    (an edit not yet built, which would otherwise run the old code without a word); None
+    where they agree, or elsewhere."""
     here = os.path.dirname(os.path.abspath(__file__))
     if not os.path.exists(os.path.join(os.path.dirname(os.path.dirname(here)),
                                        "pyproject.toml")):
         return None
+    import glob
     import zlib
 
+    declarations = sorted(glob.glob(os.path.join(here, "*.pxd")))
     for module in modules:
         source = os.path.join(here, f"{module.__name__.rpartition('.')[2]}.pyx")
+        digest = 0
         try:
-            with open(source, "rb") as text:
-                digest = f"{zlib.crc32(text.read()):08x}"  # as setup.py worked it out
+            for path in [source, *declarations]:  # as setup.py works it out
+                with open(path, "rb") as text:
+                    digest = zlib.crc32(text.read(), digest)
         except OSError:
             continue
-        if getattr(module, "SOURCE_DIGEST", None) != digest:
+        if getattr(module, "SOURCE_DIGEST", None) != f"{digest:08x}":
             return os.path.basename(source)
     return None
 
 
 if os.environ.get("THING_PUREPYTHON", "") not in ("", "0"):
     from . import fallback as _movers
+    from . import gate as _gate
     from . import throttles as _throttles
 
     BACKEND = "python"
@@ -76,18 +84,21 @@ else:
         # By full name: a missing extension then reads "No module named ...", not Python's
         # "partially initialized module (most likely due to a circular import)".
         _throttles = importlib.import_module(f"{__name__}._throttles")
+        _gate = importlib.import_module(f"{__name__}._gate")
         _movers = importlib.import_module(f"{__name__}._transport")
 
         missing = [name for name in _MOVERS if not hasattr(_movers, name)]
         missing += [name for name in _THROTTLES if not hasattr(_throttles, name)]
+        missing += [name for name in _GATE if not hasattr(_gate, name)]
         if missing:
             raise ImportError(f"the build is older than the source: it lacks {', '.join(missing)}")
-        changed = _changed_since_built(_movers, _throttles)
+        changed = _changed_since_built(_movers, _throttles, _gate)
         if changed:
             raise ImportError(f"{changed} changed since it was built")
         BACKEND = "compiled"
     except ImportError as exc:  # pragma: no cover - depends on the build
         from . import fallback as _movers
+        from . import gate as _gate
         from . import throttles as _throttles
 
         BACKEND = "python"
@@ -107,6 +118,6 @@ untrack = _movers.untrack
 wake = _movers.wake
 Throttle = _throttles.Throttle
 Throttles = _throttles.Throttles
-gated = _throttles.gated
+gated = _gate.gated
 
-__all__ = ["BACKEND", *_MOVERS, *_THROTTLES]
+__all__ = ["BACKEND", *_MOVERS, *_THROTTLES, *_GATE]

@@ -1,16 +1,10 @@
-"""The pure-Python twin of ``_throttles.pyx``: the same counts, and no gate.
-
-``gated(catch, ...)`` returns ``catch`` itself, which answers every call,
-throttled or not, in Python: the compiled gate is only a shorter way to the
-answer ``catch`` gives, so this is its specification and its baseline.
-"""
+"""The pure-Python twin of ``_throttles.pyx``: the same counts (and no call sites, which
+only the compiled gate uses: see ``gate.py``)."""
 
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Optional, TypeVar
-
-Catch = TypeVar("Catch", bound=Callable[..., Any])
+from typing import Any, Optional
 
 
 class Throttle:
@@ -84,9 +78,3 @@ class Throttles:
 
     def forget_sites(self, code: Optional[types.CodeType] = None) -> None:
         """For the compiled gate's call sites; there are none here."""
-
-
-def gated(target: Catch, throttles: Throttles, skipped: Any, clients: Any = None) -> Catch:
-    """``target`` itself: without the compiled core, every call is answered, and queued,
-    in Python."""
-    return target
