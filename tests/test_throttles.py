@@ -9,6 +9,7 @@ the same call numbers.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 import subprocess
@@ -24,7 +25,7 @@ import torch
 import thing
 import thing.channel
 
-from .conftest import script_env
+from .conftest import run_script, script_env
 
 JOB = r"""
 import json, os, sys
@@ -500,3 +501,79 @@ def test_the_gate_takes_and_gives_back_room_as_catch_does(server: thing.Server,
     assert len(stored) + dropped == 2000 and (dropped == 0 if block else dropped > 0)
     assert [value.tobytes() for value in server.get_all("r")] == [
         np.full(4, i, np.float32).tobytes() for i in stored]
+
+
+@pytest.mark.skipif(thing.BACKEND != "compiled", reason="the twin has no gate")
+def test_a_finalizer_s_catch_inside_the_gate_s_is_refused_as_inside_catch(
+        server: thing.Server) -> None:
+    """The collector may run while the gate snapshots and queues a capture: a finalizer's
+    catch then is refused (REENTERED), as it is inside Client.catch, never sent."""
+    client = thing.Client("127.0.0.1", server.port)
+    inside = [False]
+    seen: list[tuple[bool, Any]] = []
+
+    class Garbage:
+        def __init__(self) -> None:
+            self.me = self  # a cycle: freed by the collector, at any allocation
+
+        def __del__(self) -> None:
+            seen.append((inside[0], client.catch(1.0, name="finalizer")))
+
+    value = torch.arange(3.0)
+    for _ in range(2):  # the first call is Client.catch's (which a collection may precede)
+        client.catch(value, name="loop")
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        for _ in range(2000):
+            Garbage()
+            inside[0] = True
+            client.catch(value, name="loop")
+            inside[0] = False
+    finally:
+        gc.set_threshold(*thresholds)
+        client.close()
+    during = [handle for was_inside, handle in seen if was_inside]
+    assert during, "no finalizer ran inside a catch: the test proved nothing"
+    assert all(handle is thing.handles.REENTERED for handle in during), len(during)
+
+
+def test_thing_catch_calls_a_catch_patched_onto_the_class(server: thing.Server) -> None:
+    """thing.catch calls Client.catch as the class has it at each call: a patch made once
+    the gate knows the call site (a mock in a test) sees every call after it."""
+    run_script(
+        """
+        import numpy as np, thing
+        from thing.client import SKIPPED
+
+        def step():
+            return thing.catch(np.arange(3.0), name="loss")
+
+        assert step().wait(30) and step().wait(30)
+        seen = []
+        thing.Client.catch = lambda self, obj, name=None, *a, **k: (seen.append(name), SKIPPED)[1]
+        assert [step() for _ in range(3)] == [SKIPPED] * 3 and seen == ["loss"] * 3, seen
+        """,
+        server.port,
+    )
+    assert len(server.get_all("loss")) == 2
+
+
+def test_a_header_limit_below_a_scalar_refuses_scalars_at_every_call(
+        server: thing.Server) -> None:
+    """THING_MAX_HEADER_BYTES=1 leaves no room for a value outside an array: the client is
+    made, every call of a scalar is refused with the reason, and arrays still go."""
+    run_script(
+        """
+        import numpy as np, thing
+        client = thing.Client()
+        for _ in range(3):
+            handle = client.catch(1.0, name="scalar")
+            assert not handle.wait(30), handle
+            assert "a structure of over 1 bytes" in handle.error, handle.error
+        assert all(client.catch(np.arange(2.0), name="array").wait(30) for _ in range(3))
+        client.close()
+        """,
+        server.port, THING_MAX_HEADER_BYTES="1",
+    )
+    assert len(server.get_all("array")) == 3

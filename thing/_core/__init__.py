@@ -96,7 +96,9 @@ else:
         if changed:
             raise ImportError(f"{changed} changed since it was built")
         BACKEND = "compiled"
-    except ImportError as exc:  # pragma: no cover - depends on the build
+    # A ValueError: an extension built against older declarations of a class it cimports
+    # (_throttles.pxd), which Cython checks at import.
+    except (ImportError, ValueError) as exc:  # pragma: no cover - depends on the build
         from . import fallback as _movers
         from . import gate as _gate
         from . import throttles as _throttles

@@ -83,6 +83,8 @@ def gated(target, Throttles throttles, skipped, clients=None):
                 catcher = None
             elif catcher is None or catcher.client is not <object>client:
                 catcher = Catcher(<object>client)
+            if catcher is not None and type(catcher.client).catch is not catcher.catch:
+                catcher = None  # a catch patched onto the class since: thing.catch calls it
         frames = _torch_frames()
         if frames is not None:
             try:
@@ -133,7 +135,7 @@ cdef inline object _torch_frames():
 # is made for a Client, and Client loads them), so that `import thing` loads no more.
 cdef object _Leaf = None
 cdef object _LeafSpec, _Payload, _Pending, _Handle, _SINGLE_LEAF, _SKIPPED, _busy
-cdef object _wire_name, _clock, _ndarray, _new_tuple, _untrack_pending
+cdef object _wire_name, _clock, _ndarray, _new_tuple, _untrack_pending, _catch
 cdef Py_ssize_t _hold_first, _scalar_held, _batch, _small_bytes
 cdef bint _little_endian
 cdef dict _numpy_names = {}  # numpy dtype -> wire name, for the dtypes in the wire's order
@@ -145,21 +147,25 @@ cdef object _parameter = None
 cdef _bind():
     global _Leaf, _LeafSpec, _Payload, _Pending, _Handle, _SINGLE_LEAF, _SKIPPED, _busy
     global _wire_name, _clock, _ndarray, _new_tuple, _untrack_pending, _hold_first, _scalar_held
-    global _batch, _small_bytes, _little_endian
+    global _batch, _small_bytes, _little_endian, _catch
     if _Leaf is not None:
         return
     import time
 
     import numpy
-    from thing import arrays, channel, frames, handles, value_trees, wire
+    from thing import arrays, channel, client, frames, handles, value_trees, wire
 
     taking = value_trees._Taking()
-    taking.node()  # what a tree of one scalar holds, as take_apart counts it
-    _scalar_held = taking.held
+    try:
+        taking.node()  # what a tree of one scalar holds, as take_apart counts it
+        _scalar_held = taking.held
+    except Exception:  # THING_MAX_HEADER_BYTES below a scalar's: catch refuses them, and says so
+        _scalar_held = -1
     _LeafSpec, _Payload, _SINGLE_LEAF = arrays.LeafSpec, value_trees.Payload, value_trees.SINGLE_LEAF
     _Pending, _Handle, _SKIPPED, _busy = frames.Pending, handles.CaptureHandle, handles.SKIPPED, handles.busy
     _wire_name, _clock, _ndarray, _new_tuple = arrays._wire_name, time.time, numpy.ndarray, tuple.__new__
     _untrack_pending, _batch, _small_bytes = frames.untrack_pending, channel.BATCH, wire.SMALL_BYTES
+    _catch = client._CATCH
     _hold_first, _little_endian = channel.HOLD_FIRST_BYTES, sys.byteorder == "little"
     _Leaf = arrays.Leaf  # last: bound only once everything is
 
@@ -185,6 +191,7 @@ cdef class Catcher:
     """
 
     cdef readonly object client
+    cdef readonly object catch  # the class's catch it stands for (client._CATCH)
     cdef Throttles _throttles
     cdef dict _traced  # the name tracer's: (id(code), instruction) -> (code ref, (name, site))
     cdef dict _sites  # and for given names: (id(code), instruction) -> (site, code ref)
@@ -194,6 +201,7 @@ cdef class Catcher:
     def __init__(self, client):
         _bind()
         self.client = client
+        self.catch = _catch
         self._throttles = client._throttles
         self._traced = client._names._by_instruction
         self._sites = client._names._sites
@@ -203,6 +211,17 @@ cdef class Catcher:
     cdef object send(self, obj, name, every, first, copy, block, step):
         """The handle of this call of ``catch`` (with no ``server=`` nor ``on_demand=``), or
         None, having changed nothing, if it is not of the common kind."""
+        if getattr(_busy, "working", False):  # catch refuses it: see handles.busy
+            return None
+        # From here, as in catch: a finalizer's or a signal handler's catch is refused while
+        # this one looks, snapshots (which may run the collector) and queues.
+        _busy.working = True
+        try:
+            return self._send(obj, name, every, first, copy, block, step)
+        finally:
+            _busy.working = False
+
+    cdef object _send(self, obj, name, every, first, copy, block, step):
         cdef PyFrameObject *frame
         cdef PyObject *found
         cdef PyObject *code
@@ -210,8 +229,7 @@ cdef class Catcher:
         cdef int overflow = 0
         client = self.client
         try:  # nothing is changed here: whatever goes wrong, catch looks again, and says why
-            if (getattr(_busy, "working", False) or self._overrides.active
-                    or type(every) is not int or (first is not None and type(first) is not int)
+            if (self._overrides.active or type(every) is not int or (first is not None and type(first) is not int)
                     or (copy is not None and copy is not True)):
                 return None
             if step is not None:
@@ -252,7 +270,6 @@ cdef class Catcher:
                 return None
         except Exception:
             return None
-        _busy.working = True
         try:
             self._throttles._used_now(throttle)
             call = throttle.admit(every, first)
@@ -264,8 +281,6 @@ cdef class Catcher:
                 block, copy, snapshot_bytes)
         except Exception as exc:  # catch() must never raise into a training loop
             return client._failed(exc, None, name, site, obj)
-        finally:
-            _busy.working = False
 
 
 cdef object _queue(channel, pending, block, copy, snapshot_bytes):
@@ -310,11 +325,9 @@ cdef object _held(obj, copy, snapshot_bytes):
     """``obj`` taken apart and snapshotted as ``take_apart`` and ``hold`` would, if it is a
     value of the common kind (see :class:`Catcher`); else None."""
     kind = type(obj)
-    if kind is float:
-        if obj != obj:  # a NaN: its own bits travel, in a node of their own
+    if kind is float or kind is int or kind is bool or obj is None:
+        if _scalar_held < 0 or obj != obj:  # a NaN: its own bits travel, in a node of theirs
             return None
-        return _Payload(obj, [], 0, _scalar_held)
-    if kind is int or kind is bool or obj is None:
         return _Payload(obj, [], 0, _scalar_held)
     if not _little_endian:
         return None
