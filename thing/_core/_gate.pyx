@@ -29,22 +29,14 @@ from cpython.object cimport PyObject
 from libc.limits cimport LLONG_MIN
 
 from thing._core._build cimport THING_SOURCE_DIGEST
-from thing._core._throttles cimport Throttle, Throttles
+from thing._core._throttles cimport (
+    Py_DECREF, PyEval_GetFrame, PyFrame_GetCode, PyFrameObject, PyLong_AsLongLongAndOverflow,
+    PyUnicode_CheckExact, Throttle, Throttles)
 
 import functools
 import sys
 
 SOURCE_DIGEST = THING_SOURCE_DIGEST.decode("ascii")  # see _build.pxd
-
-cdef extern from "Python.h":
-    ctypedef struct PyFrameObject
-    ctypedef struct PyCodeObject
-    PyFrameObject *PyEval_GetFrame()  # borrowed; NULL when no Python code is running
-    PyCodeObject *PyFrame_GetCode(PyFrameObject *frame)  # a new reference
-    bint PyUnicode_CheckExact(object)
-    long long PyLong_AsLongLongAndOverflow(object, int *overflow)  # exact ints: never raises
-    void Py_DECREF(PyObject *)
-
 
 def gated(target, Throttles throttles, skipped, clients=None):
     """``target``, a catch, with the calls it would not send answered in C, and the sent

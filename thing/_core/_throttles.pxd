@@ -2,6 +2,15 @@
 
 from cpython.object cimport PyObject
 
+cdef extern from "Python.h":  # what both this module and the gate read of a call's frame
+    ctypedef struct PyFrameObject
+    ctypedef struct PyCodeObject
+    PyFrameObject *PyEval_GetFrame()  # borrowed; NULL when no Python code is running
+    PyCodeObject *PyFrame_GetCode(PyFrameObject *frame)  # a new reference
+    bint PyUnicode_CheckExact(object)
+    long long PyLong_AsLongLongAndOverflow(object, int *overflow)  # exact ints: never raises
+    void Py_DECREF(PyObject *)
+
 # Traced names' call sites: a direct-mapped table, so that a lookup is one hash and one
 # comparison. Two sites that share a slot take turns: the one not in it takes the Python
 # path, which puts it back.

@@ -35,17 +35,10 @@ cdef extern from *:
     # and where it looks one up (so the unit, which changed in 3.10, never matters).
     int thing_frame_lasti(PyFrameObject *frame)
 
-cdef extern from "Python.h":
-    ctypedef struct PyFrameObject
-    ctypedef struct PyCodeObject
-    PyFrameObject *PyEval_GetFrame()  # borrowed; NULL when no Python code is running
-    PyCodeObject *PyFrame_GetCode(PyFrameObject *frame)  # a new reference
+cdef extern from "Python.h":  # the rest, shared with the gate, in _throttles.pxd
     bint PyFrame_Check(object)
     bint PyLong_CheckExact(object)
-    bint PyUnicode_CheckExact(object)
     int PySet_Contains(object, object)  # -1 on an error, left set
-    long long PyLong_AsLongLongAndOverflow(object, int *overflow)  # exact ints: never raises
-    void Py_DECREF(PyObject *)
 
 
 cdef class Throttle:
