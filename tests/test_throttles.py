@@ -221,7 +221,7 @@ class Cell:
         self.code = compile("handle = client.catch(v, every=3)", "<cell>", "exec")
 
     def run(self, module: str) -> str:
-        # A list: not of the kind the compiled gate queues itself (_core.Catcher), so every
+        # A list: not of the kind the compiled gate queues itself (its Catcher), so every
         # sent call runs Client.catch, and its tracing, which these tests steer.
         scope = {"client": self.client, "v": [0.0], "__name__": module}
         exec(self.code, scope)
@@ -349,7 +349,7 @@ def test_an_on_demand_name_forgotten_during_the_gate_s_lookup_goes_to_catch() ->
     assert answer == "python" and through_python == ["od"]
 
 
-# -- the sent calls the compiled gate queues itself (_core.Catcher) ---------------------
+# -- the sent calls the compiled gate queues itself (Catcher, in _core/_gate.pyx) -------
 
 # Values of the common kind: the gate snapshots and queues them without running
 # Client.catch. Arrays up to HOLD_FIRST_BYTES (4 KiB), their bytes in order in memory.

@@ -245,7 +245,7 @@ def hold(leaf: Leaf, copy: bool | None, snapshot_bytes: int) -> None:
     are (one made from another framework's memory by dlpack changes with it).
     """
     source, framework = leaf.source, leaf.spec.framework
-    if type(source) is bytes:  # a snapshot already (the compiled gate's: see _core.Catcher)
+    if type(source) is bytes:  # a snapshot already (the compiled gate's: see thing/_core/_gate.pyx)
         return
     snapshot = copy if copy is not None else leaf.nbytes <= snapshot_bytes
     if framework == "numpy":

@@ -297,7 +297,7 @@ class Client:
     def _failed(self, exc: Exception, server: str | None, name: str | None,
                 site: CallSite | None, obj: Any) -> CaptureHandle:
         """Count, log (once) and tell the server of a catch that failed with ``exc``; the
-        handle that says why. (Also the compiled gate's: see ``_core.Catcher``.)"""
+        handle that says why. (Also the compiled gate's: see thing/_core/_gate.pyx.)"""
         with self._lock:
             self._queue.undelivered["failed"] += 1
         try:

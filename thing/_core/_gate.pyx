@@ -153,12 +153,14 @@ cdef _bind():
         _scalar_held = taking.held
     except Exception:  # THING_MAX_HEADER_BYTES below a scalar's: catch refuses them, and says so
         _scalar_held = -1
-    _LeafSpec, _Payload, _SINGLE_LEAF = arrays.LeafSpec, value_trees.Payload, value_trees.SINGLE_LEAF
-    _Pending, _Handle, _SKIPPED, _busy = frames.Pending, handles.CaptureHandle, handles.SKIPPED, handles.busy
-    _wire_name, _clock, _ndarray, _new_tuple = arrays._wire_name, time.time, numpy.ndarray, tuple.__new__
-    _untrack_pending, _batch, _small_bytes = frames.untrack_pending, channel.BATCH, wire.SMALL_BYTES
-    _catch = client._CATCH
-    _hold_first, _little_endian = channel.HOLD_FIRST_BYTES, sys.byteorder == "little"
+    _LeafSpec, _wire_name = arrays.LeafSpec, arrays._wire_name
+    _Payload, _SINGLE_LEAF = value_trees.Payload, value_trees.SINGLE_LEAF
+    _Pending, _untrack_pending = frames.Pending, frames.untrack_pending
+    _Handle, _SKIPPED, _busy = handles.CaptureHandle, handles.SKIPPED, handles.busy
+    _batch, _hold_first = channel.BATCH, channel.HOLD_FIRST_BYTES
+    _small_bytes, _catch = wire.SMALL_BYTES, client._CATCH
+    _clock, _ndarray, _new_tuple = time.time, numpy.ndarray, tuple.__new__
+    _little_endian = sys.byteorder == "little"
     _Leaf = arrays.Leaf  # last: bound only once everything is
 
 
@@ -221,7 +223,8 @@ cdef class Catcher:
         cdef int overflow = 0
         client = self.client
         try:  # nothing is changed here: whatever goes wrong, catch looks again, and says why
-            if (self._overrides.active or type(every) is not int or (first is not None and type(first) is not int)
+            if (self._overrides.active or type(every) is not int
+                    or (first is not None and type(first) is not int)
                     or (copy is not None and copy is not True)):
                 return None
             if step is not None:
